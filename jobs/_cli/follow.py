@@ -1,0 +1,138 @@
+"""Following a job: print its log as it grows and report status changes until it ends.
+
+Shared by `submit` (attached) and `logs -f`. It polls the offset-based logs endpoint and the job,
+reading the job's status *before* draining the log, so that once a terminal status is seen the
+log read after it is complete.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, TextIO
+
+from jobs._cli.output import TERMINAL
+
+if TYPE_CHECKING:
+    from jobs.client import JobsClient
+
+__all__ = ["read_log", "follow_job", "tail_lines", "ProgressLine"]
+
+POLL_S = 0.2
+
+
+def read_log(client: JobsClient, job_id: str, offset: int = 0) -> tuple[str, int]:
+    """Everything in the job's log from `offset` now; returns (text, next offset)."""
+    parts: list[str] = []
+    while True:
+        chunk = client.logs(job_id, offset=offset)
+        data = chunk.get("data") or ""
+        if isinstance(data, bytes):
+            data = data.decode("utf-8", errors="replace")
+        nxt = int(chunk.get("next_offset", offset))
+        if data:
+            parts.append(data)
+        if not data or nxt <= offset or chunk.get("eof", True):
+            return "".join(parts), nxt
+        offset = nxt
+
+
+def tail_lines(text: str, n: int) -> str:
+    """The last `n` lines of `text` (n <= 0: nothing)."""
+    if n <= 0 or not text:
+        return ""
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[-n:])
+
+
+def follow_job(
+    client: JobsClient,
+    job_id: str,
+    *,
+    offset: int = 0,
+    out: TextIO | None = None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
+    poll: float = POLL_S,
+) -> dict[str, Any]:
+    """Write the job's log from `offset` to `out` until the job ends; return the final job."""
+    status: str | None = None
+    while True:
+        job = client.get(job_id)
+        if on_status is not None:
+            on_status(job)
+        status = job.get("status")
+        text, offset = read_log(client, job_id, offset)
+        if text:
+            stream = out if out is not None else sys.stdout
+            stream.write(text)
+            stream.flush()
+        if status in TERMINAL:
+            return job
+        time.sleep(poll)
+
+
+class ProgressLine:
+    """The live status line of an attached job.
+
+    On a terminal it is a Rich Live line under the scrolling log (status, attempt, runtime and the
+    latest metrics). Elsewhere it prints one plain line to stderr per status change, so pipes and
+    CI logs stay clean.
+    """
+
+    def __init__(self, job_id: str, name: str | None = None, live: bool | None = None):
+        self.job_id = job_id
+        self.name = name
+        self.job: dict[str, Any] = {"id": job_id, "status": "PENDING"}
+        self._last_status: str | None = None
+        self._live_enabled = sys.stdout.isatty() and sys.stderr.isatty() if live is None else live
+        self._live: Any = None
+
+    # Rich calls this on every refresh, so the runtime ticks even between polls.
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        from jobs._cli.output import fmt_duration, job_runtime, status_markup
+
+        job = self.job
+        line = Text.from_markup(f"[bold]{self.job_id}[/] ")
+        if self.name:
+            line.append(f"{self.name} ")
+        line.append_text(Text.from_markup(status_markup(job.get("status"), job.get("reason"))))
+        if job.get("attempt"):
+            line.append(f"  attempt {job['attempt']}", style="dim")
+        runtime = job_runtime(job)
+        if runtime is not None:
+            line.append(f"  {fmt_duration(runtime)}", style="dim")
+        metrics = job.get("last_metrics")
+        if isinstance(metrics, dict) and metrics:
+            shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(metrics.items())[:4]]
+            line.append("  " + " ".join(shown), style="dim")
+        return line
+
+    def __enter__(self) -> ProgressLine:
+        if self._live_enabled:
+            from rich.live import Live
+
+            from jobs._cli.output import console
+
+            # Live redirects sys.stdout, so log lines scroll above the status line.
+            self._live = Live(self, console=console(stderr=True), refresh_per_second=4,
+                              transient=True, redirect_stdout=True, redirect_stderr=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def update(self, job: dict[str, Any]) -> None:
+        self.job = job
+        status = job.get("status")
+        if status != self._last_status:
+            self._last_status = status
+            # Plain mode leaves the terminal status to the caller's closing line.
+            if self._live is None and status not in TERMINAL:
+                reason = f" ({job['reason']})" if job.get("reason") and status != "SUCCEEDED" else ""
+                attempt = f", attempt {job['attempt']}" if job.get("attempt") else ""
+                print(f"offload-jobs: job {self.job_id} {status}{reason}{attempt}", file=sys.stderr, flush=True)

@@ -1,0 +1,123 @@
+"""A worker process in the background of this machine: start it detached, wait for health, stop it.
+
+`up --local` starts `python -m jobs.worker` in its own session (so closing the terminal or
+Ctrl-C in it does not reach the worker), with its output in the state dir's `worker.log`.
+`down --local` finds it through the `pid` the worker records in `worker.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jobs._cli.output import CliError
+
+__all__ = ["LOG_FILE", "start_local_worker", "stop_local_worker", "worker_healthy"]
+
+LOG_FILE = "worker.log"
+
+
+def worker_healthy(url: str, timeout: float = 1.0) -> bool:
+    """Does a worker answer /healthz at `url`?"""
+    from jobs.client import JobsClient
+    from jobs.errors import JobsError
+
+    try:
+        with JobsClient(url, timeout=timeout) as client:
+            client.health()
+    except JobsError:
+        return False
+    return True
+
+
+def start_local_worker(home: Path, host: str, port: int, wait_s: float = 30.0) -> str:
+    """Start a detached worker on host:port over `home`; return its URL once /healthz answers."""
+    url = f"http://{_url_host(host)}:{port}"
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / LOG_FILE
+    cmd = [sys.executable, "-m", "jobs.worker", "--host", host, "--port", str(port), "--home", str(home)]
+    with open(log_path, "ab") as log:
+        log.write(f"\n--- offload-jobs up --local: {' '.join(cmd)}\n".encode())
+        log.flush()
+        start = log.tell()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise CliError(f"the worker exited with code {code} while starting: "
+                           f"{_last_line(log_path, start) or 'no output'} (full log: {log_path})")
+        if worker_healthy(url, timeout=0.5):
+            return url
+        time.sleep(0.1)
+    raise CliError(f"the worker started (pid {proc.pid}) but {url}/healthz did not answer within "
+                   f"{wait_s:.0f}s; see {log_path}")
+
+
+def stop_local_worker(home: Path, wait_s: float = 15.0) -> int | None:
+    """Stop the worker recorded in `home`'s worker.json: SIGTERM, then SIGKILL after `wait_s`.
+
+    Returns its pid, or None when no worker of ours is running there.
+    """
+    from jobs.home import read_worker_info
+
+    info: dict[str, Any] = read_worker_info(home) or {}
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or not _alive(pid) or not _is_worker(pid):
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return pid
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    while _alive(pid):
+        time.sleep(0.05)
+    return pid
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"  # a wildcard bind is reached through loopback
+    return f"[{host}]" if ":" in host else host
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _is_worker(pid: int) -> bool:
+    # worker.json can outlive its worker, and the pid be reused: only stop what looks like ours.
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return True  # no /proc (macOS): trust worker.json
+    return any(mark in cmdline for mark in ("jobs.worker", "jobs/worker", "offload-jobs"))
+
+
+def _last_line(path: Path, start: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""

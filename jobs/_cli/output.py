@@ -1,0 +1,205 @@
+"""How the CLI talks to the terminal: one-line errors, JSON, Rich tables and job formatting.
+
+Rich is imported inside the functions that draw, so verbs that only print JSON never load it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import typer
+
+from jobs.errors import JobsError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+__all__ = [
+    "CliError",
+    "TERMINAL",
+    "ACTIVE",
+    "fail",
+    "error_line",
+    "print_json",
+    "console",
+    "job_summary",
+    "jobs_table",
+    "job_detail",
+    "fmt_time",
+    "fmt_duration",
+    "status_markup",
+]
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+ACTIVE = frozenset({"PENDING", "STARTING", "RUNNING", "CANCELLING"})
+
+_STATUS_STYLE = {
+    "PENDING": "dim",
+    "STARTING": "cyan",
+    "RUNNING": "bold cyan",
+    "CANCELLING": "yellow",
+    "SUCCEEDED": "green",
+    "FAILED": "bold red",
+    "CANCELLED": "yellow",
+}
+
+# The fields `show --json` and `ps --json` always carry, even when the worker leaves one out.
+SUMMARY_FIELDS = ("id", "name", "kind", "status", "reason", "attempt", "priority",
+                  "created_at", "started_at", "finished_at", "exit_code")
+
+
+class CliError(JobsError):
+    """A mistake the CLI itself detects (missing file, ambiguous job prefix, no docker, ...)."""
+
+
+def error_line(exc: BaseException | str) -> str:
+    """The single line printed for a user error: the message, newlines folded away."""
+    text = str(exc).strip() or type(exc).__name__
+    return "error: " + " ".join(text.split())
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one error line to stderr and exit (2 = the user can fix it)."""
+    typer.echo(error_line(message), err=True)
+    raise typer.Exit(code)
+
+
+def print_json(obj: Any) -> None:
+    """Machine-readable output on stdout (stable key order, ISO times left as the worker sent them)."""
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+_consoles: dict[bool, Console] = {}
+
+
+def console(stderr: bool = False) -> Console:
+    """A shared Rich console on stdout (or stderr), created on first use."""
+    if stderr not in _consoles:
+        from rich.console import Console
+
+        _consoles[stderr] = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return _consoles[stderr]
+
+
+def job_summary(job: dict[str, Any]) -> dict[str, Any]:
+    """The job dict with the summary fields guaranteed present (None when the worker omits one)."""
+    out = {k: job.get(k) for k in SUMMARY_FIELDS}
+    out.update(job)
+    return out
+
+
+def _to_epoch(value: Any) -> float | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def fmt_time(value: Any) -> str:
+    """A timestamp as 'N ago' (short, for tables)."""
+    t = _to_epoch(value)
+    if t is None:
+        return "-"
+    return fmt_duration(max(0.0, time.time() - t)) + " ago"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def job_runtime(job: dict[str, Any]) -> float | None:
+    """Seconds the current attempt has run (until now, or until it finished)."""
+    start = _to_epoch(job.get("started_at"))
+    if start is None:
+        return None
+    end = _to_epoch(job.get("finished_at"))
+    return max(0.0, (end if end is not None else time.time()) - start)
+
+
+def status_markup(status: str | None, reason: str | None = None) -> str:
+    status = status or "?"
+    style = _STATUS_STYLE.get(status, "")
+    text = f"[{style}]{status}[/]" if style else status
+    if reason and status != "SUCCEEDED":
+        text += f" [dim]({reason})[/]"
+    return text
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    """The `ps` table."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("ID", "NAME", "KIND", "STATUS", "ATTEMPT", "PRIO", "CREATED", "RUNTIME"):
+        table.add_column(col, no_wrap=col != "NAME", justify="right" if col in ("ATTEMPT", "PRIO") else "left")
+    for job in jobs:
+        table.add_row(
+            escape(str(job.get("id", "?"))),
+            escape(str(job.get("name") or "-")),
+            escape(str(job.get("kind") or "-")),
+            status_markup(job.get("status"), job.get("reason")),
+            str(job.get("attempt") if job.get("attempt") is not None else "-"),
+            str(job.get("priority") if job.get("priority") is not None else 0),
+            fmt_time(job.get("created_at")),
+            fmt_duration(job_runtime(job)),
+        )
+    return table
+
+
+def job_detail(job: dict[str, Any]) -> Table:
+    """The `show` view: one row per field, then the last metrics."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    rows: list[tuple[str, str]] = [
+        ("id", escape(str(job.get("id")))),
+        ("name", escape(str(job.get("name") or "-"))),
+        ("kind", escape(str(job.get("kind") or "-"))),
+        ("status", status_markup(job.get("status"), job.get("reason"))),
+        ("attempt", str(job.get("attempt", "-"))),
+        ("priority", str(job.get("priority", 0))),
+        ("created", f"{job.get('created_at') or '-'}  ({fmt_time(job.get('created_at'))})"),
+        ("started", str(job.get("started_at") or "-")),
+        ("finished", str(job.get("finished_at") or "-")),
+        ("runtime", fmt_duration(job_runtime(job))),
+        ("exit code", str(job.get("exit_code") if job.get("exit_code") is not None else "-")),
+        ("run dir", escape(str(job.get("run_dir") or "-"))),
+    ]
+    metrics = job.get("last_metrics")
+    if isinstance(metrics, dict) and metrics:
+        rows.append(("metrics", escape(", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))))
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+

@@ -1,0 +1,95 @@
+"""`offload-jobs worker`, `up` and `down`: run the worker here, in the background, or in Docker."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from jobs._cli.output import CliError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765  # jobs.home.DEFAULT_PORT; repeated so --help does not import it
+
+HOME_HELP = "State dir (default $OFFLOAD_JOBS_HOME or ~/.offload-jobs)."
+HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on.")]
+PortOpt = Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on.")]
+HomeOpt = Annotated[Optional[Path], typer.Option("--home", help=HOME_HELP, show_default=False)]
+ComposeFileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Compose file (default: compose.yaml here).",
+                                                        show_default=False)]
+
+
+def worker(host: HostOpt = DEFAULT_HOST, port: PortOpt = DEFAULT_PORT, home: HomeOpt = None) -> None:
+    """Run the worker in the foreground (HTTP API, scheduler, store). Ctrl-C stops it."""
+    from jobs._cli.worker_entry import run_worker_foreground
+
+    run_worker_foreground(host, port, home)
+
+
+def up(
+    local: Annotated[bool, typer.Option("--local", help="Start a worker process here instead of `docker compose`.")] = False,
+    host: HostOpt = DEFAULT_HOST,
+    port: PortOpt = DEFAULT_PORT,
+    home: HomeOpt = None,
+    wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the worker to answer.")] = 30.0,
+    file: ComposeFileOpt = None,
+) -> None:
+    """Start the worker: `docker compose up -d`, or with --local a background process on this machine."""
+    if not local:
+        _compose(["up", "-d"], file)
+        typer.echo("worker starting in Docker; check it with: offload-jobs ps", err=True)
+        return
+    from jobs._cli.local_worker import LOG_FILE, start_local_worker, worker_healthy
+    from jobs.home import read_worker_info, state_home
+
+    state = state_home(home)
+    info = read_worker_info(state) or {}
+    if info.get("url") and worker_healthy(str(info["url"])):
+        typer.echo(f"a worker is already running at {info['url']} (pid {info.get('pid', '?')})", err=True)
+        typer.echo(str(info["url"]))
+        return
+    url = start_local_worker(state, host, port, wait_s=wait)
+    typer.echo(f"worker up; state in {state}, log in {state / LOG_FILE}; stop it with: offload-jobs down --local",
+               err=True)
+    typer.echo(url)
+
+
+def down(
+    local: Annotated[bool, typer.Option("--local", help="Stop the background worker started by `up --local`.")] = False,
+    home: HomeOpt = None,
+    wait: Annotated[float, typer.Option("--wait", help="Seconds between SIGTERM and SIGKILL.")] = 15.0,
+    file: ComposeFileOpt = None,
+) -> None:
+    """Stop the worker: `docker compose down`, or with --local the background process."""
+    if not local:
+        _compose(["down"], file)
+        return
+    from jobs._cli.local_worker import stop_local_worker
+    from jobs.home import state_home
+
+    state = state_home(home)
+    pid = stop_local_worker(state, wait_s=wait)
+    if pid is None:
+        typer.echo(f"no local worker is running for {state}", err=True)
+    else:
+        typer.echo(f"stopped worker (pid {pid})", err=True)
+
+
+def _compose(args: list[str], file: Path | None) -> None:
+    docker = shutil.which("docker")
+    if docker is None:
+        raise CliError("docker is not installed (or not on PATH); install Docker, "
+                       "or run a worker on this machine with: offload-jobs up --local")
+    cmd = [docker, "compose"]
+    if file is not None:
+        if not file.exists():
+            raise CliError(f"{file}: no such compose file")
+        cmd += ["-f", str(file)]
+    elif not any(Path(n).exists() for n in ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")):
+        raise CliError("no compose.yaml in this directory; run from the offload-jobs checkout, or pass --file")
+    code = subprocess.call(cmd + args)
+    if code != 0:
+        raise CliError(f"`{' '.join(['docker', 'compose', *args])}` failed with exit code {code}")
