@@ -81,7 +81,7 @@ class JobsClient:
         if r.status_code == 409:
             raise InvalidTransition(msg)
         if r.status_code in (400, 422) and "field" in body:
-            raise SpecError(body.get("field"), msg, line=body.get("line"))
+            raise SpecError(body.get("field"), body.get("message") or msg, line=body.get("line"))
         raise JobsError(f"worker at {self.url} answered {r.status_code}: {msg}")
 
     # ------------------------------------------------------------ API

@@ -1,0 +1,35 @@
+"""Shared start-up of the `python -m jobs.runners.<kind>_main RUN_DIR` entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jobs.spec import JobSpec, load_spec
+
+__all__ = ["load_job", "fail", "write_metrics"]
+
+
+def load_job(argv: list[str] | None = None) -> tuple[JobSpec, Path]:
+    args = sys.argv[1:] if argv is None else argv
+    run_dir = Path(args[0] if args else os.environ["OFFLOAD_JOBS_RUN_DIR"])
+    return load_spec(run_dir / "spec.yaml"), run_dir
+
+
+def fail(reason: str, message: str, code: int = 2) -> NoReturn:
+    """Write the exit report the worker reads (reason setup_failed, cuda_oom, ...) and exit."""
+    path = os.environ.get("OFFLOAD_JOBS_EXIT_REPORT")
+    if path:
+        Path(path).write_text(json.dumps({"reason": reason, "message": message}), encoding="utf-8")
+    print(f"[offload-jobs] {reason}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def write_metrics(record: dict[str, Any]) -> None:
+    path = os.environ.get("OFFLOAD_JOBS_METRICS")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,121 @@
+"""Start a worker: take the state dir's lock, serve the app with uvicorn, publish worker.json."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from jobs.errors import JobsError, StoreError
+from jobs.home import DEFAULT_PORT, WORKER_FILE, state_home
+
+__all__ = ["run_worker", "main"]
+
+log = logging.getLogger("offload_jobs.worker")
+
+
+class _Server(uvicorn.Server):
+    """Publishes worker.json once the socket is bound; ends event streams as soon as a stop is asked."""
+
+    def __init__(self, config: uvicorn.Config, home: Path, host: str) -> None:
+        super().__init__(config)
+        self.home = home
+        self.host = host
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        port = self.servers[0].sockets[0].getsockname()[1]
+        host = self.host if self.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        info = {"url": url, "pid": os.getpid(), "host": self.host, "port": port, "started_at": time.time()}
+        tmp = self.home / f".{WORKER_FILE}.tmp"
+        tmp.write_text(json.dumps(info), encoding="utf-8")
+        os.replace(tmp, self.home / WORKER_FILE)
+        print(f"offload-jobs worker listening on {url} (state dir {self.home})", file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        app = self.config.loaded_app if self.config.loaded else None
+        bus = getattr(getattr(_unwrap(app), "state", None), "bus", None)
+        if bus is not None:
+            bus.stopping.set()
+            bus.notify()
+        super().handle_exit(sig, frame)
+
+
+def _unwrap(app: Any) -> Any:
+    # uvicorn wraps the app in its own middlewares; find the FastAPI instance underneath.
+    seen = 0
+    while app is not None and not hasattr(app, "state") and seen < 10:
+        app = getattr(app, "app", None)
+        seen += 1
+    return app
+
+
+def _lock(home: Path) -> Any:
+    f = open(home / "worker.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        other = f.read().strip()
+        f.close()
+        raise StoreError(f"another worker (pid {other or '?'}) already owns {home}") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f  # held open for the life of the process; the kernel releases it when we die
+
+
+def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os.PathLike[str] | None = None,
+               *, max_cpu_jobs: int = 4, gpus: int | None = None, allow_hosts: list[str] | None = None,
+               log_level: str = "warning") -> None:
+    from jobs.worker.app import create_app
+
+    h = state_home(home)
+    h.mkdir(mode=0o700, parents=True, exist_ok=True)  # holds the token
+    lock = _lock(h)
+    try:
+        extra = list(allow_hosts or []) + [x for x in os.environ.get("OFFLOAD_JOBS_ALLOWED_HOSTS", "").split(",") if x]
+        app = create_app(h, host=host, max_cpu_jobs=max_cpu_jobs, gpu_count=gpus, extra_hosts=extra)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=5, access_log=False)
+        _Server(config, h, host).run()
+    finally:
+        info = h / WORKER_FILE
+        try:
+            if json.loads(info.read_text()).get("pid") == os.getpid():
+                info.unlink()
+        except (OSError, ValueError):
+            pass
+        lock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.worker", description="Run an offload-jobs worker.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--home", default=None, help="state dir (default $OFFLOAD_JOBS_HOME or ~/.offload-jobs)")
+    p.add_argument("--max-cpu-jobs", type=int, default=4, help="concurrent jobs that need no GPU")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to schedule (default: detected)")
+    p.add_argument("--allow-host", action="append", default=[], help="extra Host header name to accept")
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        run_worker(a.host, a.port, a.home, max_cpu_jobs=a.max_cpu_jobs, gpus=a.gpus, allow_hosts=a.allow_host,
+                   log_level=a.log_level)
+    except JobsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
