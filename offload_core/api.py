@@ -1,0 +1,123 @@
+"""enable_offload and OffloadHandle: the diffusers-style entry point to the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .engine import OffloadEngine
+from .errors import NotAModuleError
+
+__all__ = ["OffloadHandle", "enable_offload"]
+
+
+class OffloadHandle:
+    """What enable_offload returns: read ``stats()``, and ``remove()`` to restore the model."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self.trainer: Any = None  # set by the training manager when optimizer offload is on
+
+    @property
+    def config(self) -> OffloadConfig:
+        return self.engine.config
+
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        c = e.counters
+        out: dict[str, Any] = {}
+        if e.is_cuda:
+            dev = e.device
+            out["vram_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+            out["vram_reserved_bytes"] = torch.cuda.memory_reserved(dev)
+            out["vram_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        else:
+            out["vram_allocated_bytes"] = out["vram_reserved_bytes"] = out["vram_peak_bytes"] = 0
+        streamed = sum(u.nbytes for u in e.streamed)
+        resident = sum(t.nbytes for u in e.units if not u.streamed for t in u.tensors)
+        resident += sum(
+            (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
+            for m, a, p in e.plan.resident
+            if (m._parameters if p else m._buffers).get(a) is not None
+        )
+        out.update(
+            pinned=e.arena.pinned,
+            pinned_capacity_bytes=e.arena.capacity_bytes,
+            pinned_used_bytes=e.arena.used_bytes,
+            weight_bytes=streamed + resident,
+            streamed_bytes=streamed,
+            resident_bytes=resident,
+            slot_count=len(e.ring.slots),
+            slot_bytes=e.ring.slot_bytes,
+            slot_grows=e.ring.grows,
+            h2d_bytes=c.h2d_bytes,
+            h2d_count=c.h2d_count,
+            d2h_bytes=c.d2h_bytes,
+            d2h_count=c.d2h_count,
+            cache_hits=c.cache_hits,
+            cache_misses=c.cache_misses,
+            cache_evictions=c.cache_evictions,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_misses=c.prefetch_misses,
+            saved_refs=c.saved_refs,
+            refetches=c.refetches,
+            steps=c.steps,
+            trace_length=len(e.schedule.trace),
+            trace_relearned=e.schedule.relearned,
+            setup_seconds=e.setup_seconds,
+            num_units=len(e.units),
+            units=[{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed} for u in e.units],
+            plan=dict(e.prediction),
+        )
+        h2d_ms = stall_ms = compute_ms = 0.0
+        if e.timing is not None:
+            e.timing.resolve(block=True)
+            h2d_ms = e.timing.total_ms.get("h2d", 0.0)
+            stall_ms = e.timing.total_ms.get("stall", 0.0)
+            compute_ms = e.timing.total_ms.get("compute", 0.0)
+            for info, u in zip(out["units"], e.units):
+                info.update({f"{k}_ms": v for k, v in e.timing.per_unit_ms.get(u.uid, {}).items()})
+        timed_bytes = c.h2d_bytes if e.timing is not None else 0
+        out["h2d_ms"] = h2d_ms
+        out["stall_ms"] = stall_ms
+        out["compute_ms"] = compute_ms
+        out["h2d_gbps"] = (timed_bytes / 1e9) / (h2d_ms / 1e3) if h2d_ms > 0 else 0.0
+        if self.trainer is not None:
+            out.update(self.trainer.stats())
+        return out
+
+    def reset_stats(self) -> None:
+        e = self.engine
+        e.counters.__init__()
+        if e.timing is not None:
+            e.timing.resolve(block=True)
+            e.timing.reset()
+        if e.is_cuda:
+            torch.cuda.reset_peak_memory_stats(e.device)
+
+    def remove(self) -> None:
+        if self.trainer is not None:
+            self.trainer.remove()
+        self.engine.remove()
+
+
+def enable_offload(model: nn.Module, config: OffloadConfig | dict | None = None, **overrides: Any) -> OffloadHandle:
+    """Stream model's weights from host memory to ``target_device`` as the model runs.
+
+    >>> handle = enable_offload(transformer, target_device="cuda", offload_granularity="block", prefetch=2)
+    >>> out = transformer(**inputs)
+    >>> handle.stats()["h2d_bytes"]
+    """
+    if not isinstance(model, nn.Module):
+        raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    cfg = OffloadConfig.from_overrides(config, **overrides)
+    stream_trainable = cfg.enable_optimizer_cpu_offload
+    handle = OffloadHandle(OffloadEngine(model, cfg, stream_trainable=stream_trainable))
+    if cfg.enable_optimizer_cpu_offload:
+        from .training import OptimizerOffload
+
+        handle.trainer = OptimizerOffload(handle.engine, optimizer=cfg.extra.get("optimizer"))
+    return handle

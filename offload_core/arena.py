@@ -1,0 +1,120 @@
+"""PinnedArena: the host master copy of every streamed unit, packed into a few exact-size buffers.
+
+Each unit is one contiguous, 64-byte aligned slab, so onloading it is one copy. The buffers are
+ordinary (pageable) CPU allocations registered with cudaHostRegister: torch's pinned allocator
+rounds each request up to a power of two, and pinning tensor by tensor costs ~1.88x the RAM.
+Registration failing (or no CUDA at all) falls back to pageable memory, which is correct but slow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .units import ALIGN, Unit
+
+__all__ = ["PinnedArena", "pinned_empty"]
+
+log = logging.getLogger(__name__)
+
+_PAGE = 4096
+_CHUNK = 1 << 30  # slabs are grouped into buffers of about this size
+
+
+class PinnedArena:
+    def __init__(self, units: list[Unit], *, pin: bool, chunk_bytes: int = _CHUNK) -> None:
+        self.pin_requested = pin
+        self._chunks: list[torch.Tensor] = []
+        self._registered: list[bool] = []
+        self._slabs: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        groups: list[list[Unit]] = [[]]
+        size = 0
+        for u in units:
+            if groups[-1] and size + u.nbytes > chunk_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(u)
+            size += u.nbytes
+        self.used_bytes = 0
+        self.capacity_bytes = 0
+        for group in groups:
+            if not group:
+                continue
+            total = sum(u.nbytes for u in group)
+            raw = torch.empty(total + _PAGE, dtype=torch.uint8)
+            # Page-align the start so registration covers exactly our bytes.
+            skew = (-raw.data_ptr()) % _PAGE
+            buf = raw[skew: skew + total]
+            off = 0
+            for u in group:
+                self._slabs[u.uid] = buf[off: off + u.nbytes]
+                off += u.nbytes
+            self._chunks.append(buf)
+            self._registered.append(False)
+            self.used_bytes += total
+            self.capacity_bytes += raw.numel()
+        self.pinned = False
+
+    def slab(self, uid: int) -> torch.Tensor:
+        return self._slabs[uid]
+
+    def view(self, unit: Unit, index: int) -> torch.Tensor:
+        """The host master of one tensor of a unit, typed and shaped."""
+        t = unit.tensors[index]
+        raw = self._slabs[unit.uid][t.offset: t.offset + t.nbytes]
+        return raw.view(t.dtype).view(t.shape)
+
+    def pin(self) -> bool:
+        """Register every buffer with CUDA. Returns whether all of them are pinned."""
+        if not self.pin_requested or not torch.cuda.is_available():
+            return False
+        cudart = torch.cuda.cudart()
+        ok = True
+        with self._lock:
+            for i, buf in enumerate(self._chunks):
+                if self._registered[i]:
+                    continue
+                err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+                if int(err) != 0:
+                    ok = False
+                    log.warning("cudaHostRegister failed (%s); streaming from pageable memory", err)
+                    break
+                self._registered[i] = True
+        self.pinned = ok and all(self._registered)
+        return self.pinned
+
+    def release(self) -> None:
+        if torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            for i, buf in enumerate(self._chunks):
+                if self._registered[i]:
+                    cudart.cudaHostUnregister(buf.data_ptr())
+                    self._registered[i] = False
+        self._chunks.clear()
+        self._slabs.clear()
+        self.pinned = False
+
+    @staticmethod
+    def slack_bytes(units: list[Unit]) -> int:
+        """Alignment padding the layout adds on top of the raw tensor bytes."""
+        return sum(u.nbytes - sum(t.nbytes for t in u.tensors) for u in units) + ALIGN
+
+
+def pinned_empty(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """One exact-size host buffer, registered with CUDA when asked and possible."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    skew = (-raw.data_ptr()) % _PAGE
+    buf = raw[skew: skew + nbytes]
+    if pin and torch.cuda.is_available() and nbytes:
+        if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0:
+            return buf, True
+        log.warning("cudaHostRegister failed for a %d-byte buffer; using pageable memory", nbytes)
+    return buf, False
+
+
+def unregister(buf: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())

@@ -1,0 +1,117 @@
+"""OffloadConfig: the engine's settings, named as DiffSynth-Studio and LightX2V users know them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import OffloadConfigError
+
+__all__ = ["Granularity", "OffloadConfig", "parse_bytes"]
+
+
+class Granularity(str, enum.Enum):
+    LEAF = "leaf"
+    BLOCK = "block"
+    PHASE = "phase"
+    AUTO = "auto"
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str | None, *, key: str = "value") -> int | None:
+    """Turn 123, "7.5GiB" or "800MB" into a number of bytes."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise OffloadConfigError(f"{key}: expected a byte count such as 8589934592 or '7.5GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise OffloadConfigError(f"{key}: must not be negative, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise OffloadConfigError(f"{key}: expected a byte count such as 8589934592 or '7.5GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class OffloadConfig:
+    """How a model is split, where its weights live and how they move.
+
+    Defaults stream every unit through pinned host memory with two units of prefetch.
+    """
+
+    target_device: str = "cuda"
+    cpu_offload: bool = True
+    offload_granularity: Granularity | str = Granularity.AUTO
+    offload_ratio: float | None = None
+    vram_budget: int | str | None = None
+    prefetch: int = 2
+    lazy_load: bool = False
+    offload_to_disk: bool = False
+    shard_dir: str | None = None
+    num_disk_workers: int = 2
+    max_memory: int | str | None = None
+    enable_optimizer_cpu_offload: bool = False
+    weight_dtype: str | None = None
+    # Units bigger than this many MB (of bytes) are split into their children.
+    split_threshold_mb: float | None = None
+    # Copy on side streams with events; False gives the serial baseline (same code path).
+    use_streams: bool = True
+    # Time units and stalls with CUDA events (cheap; resolved lazily).
+    record_timings: bool = True
+    # Test-only: sleep a random 0..N ms on the host inside hooks, to shake out races.
+    debug_host_delay_ms: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            self.offload_granularity = Granularity(str(getattr(self.offload_granularity, "value", self.offload_granularity)))
+        except ValueError:
+            choices = ", ".join(g.value for g in Granularity)
+            raise OffloadConfigError(
+                f"offload_granularity: unknown value {self.offload_granularity!r} (choose one of {choices})"
+            ) from None
+        if self.offload_ratio is not None and not (0.0 <= float(self.offload_ratio) <= 1.0):
+            raise OffloadConfigError(f"offload_ratio: must be between 0 and 1, got {self.offload_ratio!r}")
+        if self.offload_ratio is not None and self.vram_budget is not None:
+            raise OffloadConfigError("offload_ratio and vram_budget: set one or the other, not both")
+        self.vram_budget = parse_bytes(self.vram_budget, key="vram_budget")
+        self.max_memory = parse_bytes(self.max_memory, key="max_memory")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise OffloadConfigError(f"prefetch: must be a whole number >= 0, got {self.prefetch!r}")
+        if self.num_disk_workers < 1:
+            raise OffloadConfigError(f"num_disk_workers: must be >= 1, got {self.num_disk_workers!r}")
+        if self.split_threshold_mb is not None and self.split_threshold_mb <= 0:
+            raise OffloadConfigError(f"split_threshold_mb: must be > 0, got {self.split_threshold_mb!r}")
+        if self.weight_dtype not in (None, "float8_e4m3fn", "bfloat16", "float16", "float32"):
+            raise OffloadConfigError(
+                f"weight_dtype: unknown value {self.weight_dtype!r} (choose float8_e4m3fn, bfloat16, float16 or float32)"
+            )
+        if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
+            raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
+
+    @classmethod
+    def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":
+        base: dict[str, Any] = {}
+        if isinstance(config, OffloadConfig):
+            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        elif isinstance(config, dict):
+            base = dict(config)
+        elif config is not None:
+            raise OffloadConfigError(f"config: expected an OffloadConfig or a dict, got {type(config).__name__}")
+        base.update(overrides)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(base) - names)
+        if unknown:
+            raise OffloadConfigError(f"{unknown[0]}: unknown offload key (known keys: {', '.join(sorted(names - {'extra'}))})")
+        return cls(**base)

@@ -1,0 +1,406 @@
+"""OffloadEngine: one engine behind both enable_offload (inference) and the training manager.
+
+Life of a streamed unit:
+
+1. Its tensors are packed into a PinnedArena slab and the module keeps 0-element placeholders.
+2. When its anchor module is entered (or autograd needs one of its saved weights back), the slab is
+   copied into a SlotRing slot: one H2D copy on the copy stream, then a ``ready`` event the compute
+   stream waits on. No host synchronization happens per unit.
+3. While the anchor runs, the module's frozen tensors are plain views into the slot (the Parameter
+   objects stay registered elsewhere with placeholder data). Autograd and checkpoint recomputes
+   that save those views keep the slot's storage alive, so the slot is not reused until they let go.
+4. Without checkpointing, ``saved_tensors_hooks`` replace saved weight views with references, which
+   backward re-fetches: weights do not stay on the device between forward and backward.
+5. The schedule learns the order of uses and prefetches the next units into free slots.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .arena import PinnedArena
+from .config import OffloadConfig
+from .errors import DeviceUnavailableError, NotAModuleError
+from .planner import plan_residency
+from .schedule import Schedule
+from .slots import Slot, SlotRing
+from .stats import Counters, TimingLog
+from .units import Unit, discover_units
+
+__all__ = ["OffloadEngine", "resolve_device"]
+
+
+def resolve_device(target: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(target)
+    except (RuntimeError, TypeError):
+        raise DeviceUnavailableError(f"target_device: {target!r} is not a device name") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"target_device: {target!r} asked for, but this machine has no CUDA device "
+                "(use target_device='cpu' to run the same path on the CPU)"
+            )
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(f"target_device: {target!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise DeviceUnavailableError(f"target_device: {target!r} is not supported (use 'cuda' or 'cpu')")
+    return dev
+
+
+@dataclass
+class _SlotRef:
+    """What autograd keeps instead of a streamed weight view."""
+
+    uid: int
+    offset: int
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class OffloadEngine:
+    def __init__(self, model: nn.Module, config: OffloadConfig, *, stream_trainable: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        t0 = time.perf_counter()
+        self.model = model
+        self.config = config
+        self.device = resolve_device(config.target_device)
+        self.is_cuda = self.device.type == "cuda"
+        self.use_streams = bool(config.use_streams and self.is_cuda)
+        self.timing = TimingLog() if (self.is_cuda and config.record_timings) else None
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._tick = 0
+        self._root_depth = 0
+        self._saved_hooks: Any = None
+        self._cycle_callbacks: list[Callable[[], None]] = []
+        self._handles: list[Any] = []
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+
+        split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
+        self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable)
+        self.units: list[Unit] = self.plan.units
+        self.prediction = plan_residency(self.units, config)
+        self.streamed: list[Unit] = [u for u in self.units if u.streamed]
+
+        # Resident tensors: moved once. Streamed ones: packed, then placeholders.
+        self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
+        for m, attr, is_param in self.plan.resident:
+            self._move_resident(m, attr, is_param)
+        for u in self.units:
+            if not u.streamed:
+                for t in u.tensors:
+                    self._move_resident(t.module, t.attr, t.is_param)
+
+        self.arena = PinnedArena(self.streamed, pin=self.is_cuda and config.cpu_offload)
+        self._pack()
+        self.arena.pin()
+        self._bound: dict[int, list] = {}
+        self._depth: dict[int, int] = {}
+        self._writeback: dict[int, Any] = {}
+
+        slot_bytes = max((u.nbytes for u in self.streamed), default=0)
+        slots = max(config.prefetch + 1, 2) if self.streamed else 0
+        self.ring = SlotRing(slot_bytes, slots, self.device)
+        self.schedule = Schedule(config.prefetch)
+        if self.use_streams:
+            self.h2d_stream = torch.cuda.Stream(self.device)
+            self.d2h_stream = torch.cuda.Stream(self.device)
+        self._install_hooks()
+        self.setup_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ setup
+    def _move_resident(self, m: nn.Module, attr: str, is_param: bool) -> None:
+        t = (m._parameters if is_param else m._buffers)[attr]
+        if t is None or t.device == self.device:
+            return
+        self._resident_moved.append((m, attr, is_param, t.device))
+        t.data = t.data.to(self.device)
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        ph = self._placeholders.get(dtype)
+        if ph is None:
+            ph = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return ph
+
+    def _trainable_placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        # AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
+        # parameter keeps its shape between uses: one element, expanded (stride 0).
+        one = self._placeholders.get((dtype, 1))
+        if one is None:
+            one = self._placeholders[(dtype, 1)] = torch.zeros(1, dtype=dtype, device=self.device)
+        return one.expand(shape)
+
+    def placeholder_for(self, ts: Any, obj: torch.Tensor) -> torch.Tensor:
+        if ts.is_param and obj.requires_grad:
+            return self._trainable_placeholder(ts.dtype, ts.shape)
+        return self._placeholder(ts.dtype)
+
+    def _pack(self) -> None:
+        for u in self.streamed:
+            for i, ts in enumerate(u.tensors):
+                obj = ts.tensor()
+                with torch.no_grad():
+                    self.arena.view(u, i).copy_(obj.data)
+                obj.data = self.placeholder_for(ts, obj)
+
+    def _install_hooks(self) -> None:
+        anchors: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        for u in self.streamed:
+            anchors.setdefault(id(u.anchor), (u.anchor, []))[1].append(u)
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        for module, units in anchors.values():
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(units)))
+            self._handles.append(module.register_forward_hook(self._make_post(units), always_call=True))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+
+    # ------------------------------------------------------------------ root hooks
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._root_depth += 1
+        if self._root_depth > 1:
+            return
+        with self._lock:
+            self.counters.steps += 1
+            self.schedule.start_cycle()
+            for cb in self._cycle_callbacks:
+                cb()
+        if torch.is_grad_enabled() and self.streamed:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+            self._saved_hooks.__enter__()
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_depth -= 1
+        if self._root_depth == 0 and self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if self.timing is not None and len(self.timing.pending) > 1024:
+            self.timing.resolve(block=False)
+
+    # ------------------------------------------------------------------ unit hooks
+    def _make_pre(self, units: list[Unit]) -> Callable:
+        def pre(module: nn.Module, args: Any) -> None:
+            for u in units:
+                depth = self._depth.get(u.uid, 0)
+                self._depth[u.uid] = depth + 1
+                if depth == 0:
+                    slot = self.use(u)
+                    self._bind(u, slot)
+        return pre
+
+    def _make_post(self, units: list[Unit]) -> Callable:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            for u in units:
+                depth = self._depth.get(u.uid, 0) - 1
+                self._depth[u.uid] = max(depth, 0)
+                if depth <= 0:
+                    self._unbind(u)
+        return post
+
+    def _bind(self, u: Unit, slot: Slot) -> None:
+        bound = []
+        for ts in u.tensors:
+            view = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
+            table = ts.module._parameters if ts.is_param else ts.module._buffers
+            orig = table[ts.attr]
+            if ts.is_param and orig.requires_grad:
+                # Trainable streamed params must stay the leaf autograd accumulates into.
+                orig.data = view
+                bound.append((ts, orig, None, 0))
+            else:
+                # Frozen: the module sees a plain view; the Parameter keeps its placeholder, so
+                # nothing autograd or a checkpoint saves can be swapped out from under it.
+                table[ts.attr] = view
+                bound.append((ts, orig, view, view._version))
+        self._bound[u.uid] = bound
+        if self.timing is not None:
+            ev = self.timing.event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._compute_start = getattr(self, "_compute_start", {})
+            self._compute_start[u.uid] = ev
+
+    def _unbind(self, u: Unit) -> None:
+        bound = self._bound.pop(u.uid, None)
+        if bound is None:
+            return
+        self._delay()
+        dirty = []
+        for ts, orig, view, version in bound:
+            table = ts.module._parameters if ts.is_param else ts.module._buffers
+            if view is None:
+                orig.data = self._trainable_placeholder(ts.dtype, ts.shape)
+            else:
+                table[ts.attr] = orig
+                if not ts.is_param and view._version != version:
+                    dirty.append((ts, view))
+        if dirty:
+            self._write_back(u, dirty)
+        if self.timing is not None and u.uid in getattr(self, "_compute_start", {}):
+            end = self.timing.event()
+            end.record(torch.cuda.current_stream(self.device))
+            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), end)
+
+    def _write_back(self, u: Unit, dirty: list) -> None:
+        """Copy in-place-updated buffers (running stats, counters) back to the host master."""
+        slab = self.arena.slab(u.uid)
+        with self._lock:
+            if self.use_streams:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self.d2h_stream.wait_event(ev)
+                with torch.cuda.stream(self.d2h_stream):
+                    for ts, view in dirty:
+                        slab[ts.offset: ts.offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8), non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self.d2h_stream)
+                self._writeback[u.uid] = done
+                slot = self.ring.lookup(u.uid)
+                if slot is not None:
+                    slot.done.append(done)
+            else:
+                for ts, view in dirty:
+                    slab[ts.offset: ts.offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8))
+            for ts, _ in dirty:
+                self.counters.d2h_bytes += ts.nbytes
+                self.counters.d2h_count += 1
+
+    # ------------------------------------------------------------------ autograd saved tensors
+    def _pack_saved(self, t: torch.Tensor) -> Any:
+        if t.device != self.device or not t.numel():
+            return t
+        slot = self.ring.by_ptr.get(t.untyped_storage().data_ptr())
+        if slot is None or slot.owner is None:
+            return t
+        self.counters.saved_refs += 1
+        return _SlotRef(slot.owner, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _unpack_saved(self, ref: Any) -> torch.Tensor:
+        if not isinstance(ref, _SlotRef):
+            return ref
+        slot = self.use(self.units[ref.uid], backward=True)
+        return slot.buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
+
+    # ------------------------------------------------------------------ loading
+    def _delay(self) -> None:
+        if self.config.debug_host_delay_ms > 0:
+            time.sleep(random.random() * self.config.debug_host_delay_ms / 1000.0)
+
+    def use(self, u: Unit, backward: bool = False) -> Slot:
+        """Make u's bytes available to the compute stream and return its slot."""
+        self._delay()
+        with self._lock:
+            self._tick += 1
+            new_use = self.schedule.observe_new(u.uid)
+            slot = self.ring.lookup(u.uid)
+            if slot is None:
+                keep = set(self.schedule.upcoming(self.config.prefetch + 1)) | {u.uid}
+                slot = self._load(u, keep, urgent=True)
+                self.counters.cache_misses += 1
+                if backward:
+                    self.counters.refetches += 1
+                if self.schedule.learned and self.schedule.cycles > 1:
+                    self.counters.prefetch_misses += 1
+            elif new_use:
+                self.counters.cache_hits += 1
+            slot.last_use = self._tick
+            if self.use_streams and slot.ready is not None:
+                stream = torch.cuda.current_stream(self.device)
+                if self.timing is not None and new_use:
+                    a, b = self.timing.event(), self.timing.event()
+                    a.record(stream)
+                    stream.wait_event(slot.ready)
+                    b.record(stream)
+                    self.timing.add("stall", u.uid, a, b)
+                else:
+                    stream.wait_event(slot.ready)
+            self._prefetch(u.uid)
+            return slot
+
+    def _prefetch(self, current: int) -> None:
+        if self.config.prefetch <= 0 or not self.schedule.learned:
+            return
+        upcoming = self.schedule.upcoming()
+        keep = set(self.schedule.upcoming(self.config.prefetch + 1)) | {current}
+        for uid in upcoming:
+            u = self.units[uid]
+            if not u.streamed or self.ring.lookup(uid) is not None:
+                continue
+            if self._load(u, keep, urgent=False) is None:
+                break
+            self.counters.prefetch_issued += 1
+
+    def _load(self, u: Unit, keep: set[int], urgent: bool) -> Slot | None:
+        slot = self.ring.pick_victim(keep)
+        if slot is None:
+            if not urgent:
+                return None
+            slot = self.ring.grow()
+        if self.ring.assign(slot, u.uid) is not None:
+            self.counters.cache_evictions += 1
+        src = self.arena.slab(u.uid)
+        dst = slot.buf[: u.nbytes]
+        if self.use_streams:
+            h2d = self.h2d_stream
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
+            h2d.wait_event(freed)
+            for ev in slot.done:
+                h2d.wait_event(ev)
+            slot.done = []
+            wb = self._writeback.pop(u.uid, None)
+            if wb is not None:
+                h2d.wait_event(wb)
+            with torch.cuda.stream(h2d):
+                if self.timing is not None:
+                    a = self.timing.event()
+                    a.record(h2d)
+                dst.copy_(src, non_blocking=True)
+                if self.timing is not None:
+                    b = self.timing.event()
+                    b.record(h2d)
+                    self.timing.add("h2d", u.uid, a, b)
+                ready = torch.cuda.Event()
+                ready.record(h2d)
+            slot.ready = ready
+        else:
+            dst.copy_(src)
+            slot.ready = None
+        self.counters.h2d_bytes += u.nbytes
+        self.counters.h2d_count += 1
+        return slot
+
+    # ------------------------------------------------------------------ teardown
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def remove(self) -> None:
+        """Take the hooks off and give every tensor its full data back on the host."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.synchronize()
+        for uid in list(self._bound):
+            self._unbind(self.units[uid])
+        self.synchronize()
+        for u in self.streamed:
+            for i, ts in enumerate(u.tensors):
+                ts.tensor().data = self.arena.view(u, i).clone()
+        for m, attr, is_param, dev in self._resident_moved:
+            t = (m._parameters if is_param else m._buffers)[attr]
+            if t is not None:
+                t.data = t.data.to(dev)
+        self._resident_moved.clear()
+        self.ring.clear()
+        self.arena.release()

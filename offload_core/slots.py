@@ -1,0 +1,97 @@
+"""SlotRing: pre-allocated device buffers that streamed units are copied into.
+
+Every slot is sized to the largest streamed unit, and a unit's tensors become views into its slot.
+A slot is free for reuse when nothing but the ring references its storage: parameters bound to it,
+activations autograd saved from it (``weight.t()``), and recomputed tensors a checkpoint holds all
+keep the storage's use count up. That makes reuse safe by construction; the ``done`` event recorded
+on the compute stream then orders the overwrite after every kernel already queued against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Slot", "SlotRing"]
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+@dataclass
+class Slot:
+    index: int
+    buf: torch.Tensor  # uint8, slot_bytes long
+    baseline: int = 0  # storage use count when only the ring holds it
+    owner: int | None = None  # uid of the unit whose bytes are (or are being) copied in
+    ready: object | None = None  # event on the copy stream: owner's bytes have landed
+    done: list = field(default_factory=list)  # events that must pass before overwrite
+    last_use: int = 0
+
+    @property
+    def ptr(self) -> int:
+        return self.buf.data_ptr()
+
+    def is_free(self) -> bool:
+        return _use_count(self.buf) <= self.baseline
+
+
+class SlotRing:
+    def __init__(self, slot_bytes: int, count: int, device: torch.device) -> None:
+        self.slot_bytes = max(slot_bytes, 1)
+        self.device = device
+        self.slots: list[Slot] = []
+        self.by_ptr: dict[int, Slot] = {}
+        self.by_owner: dict[int, Slot] = {}
+        self.grows = 0
+        for _ in range(count):
+            self._add()
+
+    def _add(self) -> Slot:
+        buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        slot = Slot(index=len(self.slots), buf=buf)
+        slot.baseline = _use_count(buf)
+        self.slots.append(slot)
+        self.by_ptr[slot.ptr] = slot
+        return slot
+
+    def grow(self) -> Slot:
+        self.grows += 1
+        return self._add()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slot_bytes * len(self.slots)
+
+    def lookup(self, uid: int) -> Slot | None:
+        return self.by_owner.get(uid)
+
+    def pick_victim(self, keep: set[int]) -> Slot | None:
+        """A free slot, preferring empty ones, then the least recently used owner not in keep."""
+        best: Slot | None = None
+        for s in self.slots:
+            if s.owner is not None and s.owner in keep:
+                continue
+            if not s.is_free():
+                continue
+            if s.owner is None:
+                return s
+            if best is None or s.last_use < best.last_use:
+                best = s
+        return best
+
+    def assign(self, slot: Slot, uid: int) -> int | None:
+        """Give slot to uid; returns the previous owner (an eviction) if there was one."""
+        prev = slot.owner
+        if prev is not None:
+            self.by_owner.pop(prev, None)
+        slot.owner = uid
+        self.by_owner[uid] = slot
+        return prev
+
+    def clear(self) -> None:
+        self.slots.clear()
+        self.by_ptr.clear()
+        self.by_owner.clear()

@@ -1,0 +1,207 @@
+"""Units: the groups of tensors that move between host and device together.
+
+A unit is hooked on one module (its *anchor*): the unit is needed from the anchor's forward
+pre-hook to its post-hook. Units are found from the module tree:
+
+- leaf:  every module that directly owns tensors gives a unit of those tensors
+- block: each item of the model's big ModuleLists is one unit (its whole subtree); the rest is leaf
+- phase: each direct child of a block is one unit; the block's own tensors form another
+- split threshold (bytes): a unit whose subtree is bigger than the threshold is split into its
+  children, recursing into non-leaf modules; the module's own tensors become their own unit
+
+Tensors that appear under more than one module (tied weights) or share storage with another tensor
+are kept resident: splitting their storage between slabs would break the aliasing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .config import Granularity
+
+__all__ = ["TensorSlot", "Unit", "UnitPlan", "discover_units", "ALIGN"]
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class TensorSlot:
+    """One tensor of a unit: where it is registered and where it sits in the unit's slab."""
+
+    module: nn.Module
+    attr: str
+    is_param: bool
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int = 0  # bytes into the unit's slab
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+    def tensor(self) -> torch.Tensor:
+        return (self.module._parameters if self.is_param else self.module._buffers)[self.attr]
+
+
+@dataclass
+class Unit:
+    uid: int
+    name: str
+    anchor: nn.Module
+    tensors: list[TensorSlot] = field(default_factory=list)
+    nbytes: int = 0  # slab size, aligned
+    streamed: bool = True
+    trainable: bool = False  # holds trainable params (only streamed with optimizer offload)
+
+    def layout(self) -> None:
+        off = 0
+        for t in self.tensors:
+            t.offset = off
+            off = _align(off + t.nbytes)
+        self.nbytes = off
+
+
+@dataclass
+class UnitPlan:
+    units: list[Unit]
+    resident: list[tuple[nn.Module, str, bool]]  # (module, attr, is_param) kept on the device
+    block_lists: list[str]
+
+    def streamed(self) -> Iterator[Unit]:
+        return (u for u in self.units if u.streamed)
+
+
+def _direct_tensors(m: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    for n, p in m._parameters.items():
+        if p is not None:
+            yield n, p, True
+    for n, b in m._buffers.items():
+        if b is not None:
+            yield n, b, False
+
+
+def _subtree_bytes(m: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for sub in m.modules():
+        for _, t, _ in _direct_tensors(sub):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The outermost ModuleLists/Sequentials of at least two items that own tensors."""
+    found: list[tuple[str, nn.ModuleList]] = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, (nn.ModuleList, nn.Sequential)) and child is not model:
+                items = [c for c in child.children() if _subtree_bytes(c) > 0]
+                if len(items) >= 2:
+                    found.append((path, child))
+                    continue
+            visit(path, child)
+
+    visit("", model)
+    return found
+
+
+def discover_units(
+    model: nn.Module,
+    granularity: Granularity = Granularity.AUTO,
+    split_threshold_bytes: int | None = None,
+    stream_trainable: bool = False,
+) -> UnitPlan:
+    # Which module paths hold each tensor: tied weights show up twice.
+    holders: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    storages: dict[tuple[str, int], set[int]] = {}
+    for m in model.modules():
+        for n, t, is_param in _direct_tensors(m):
+            holders.setdefault(id(t), []).append((m, n, is_param))
+    # named_modules de-duplicates modules; a module registered twice is the same module.
+    for m in model.modules():
+        for _, t, _ in _direct_tensors(m):
+            if t.numel() and t.device.type != "meta":
+                storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), set()).add(id(t))
+    aliased = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
+
+    assigned: set[int] = set()
+    resident: list[tuple[nn.Module, str, bool]] = []
+    units: list[Unit] = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def keep_resident(tid: int) -> bool:
+        return len({id(h[0]) for h in holders[tid]}) > 1 or tid in aliased
+
+    def add_unit(anchor: nn.Module, modules: list[nn.Module], label: str) -> None:
+        unit = Unit(uid=len(units), name=label, anchor=anchor)
+        for m in modules:
+            for n, t, is_param in _direct_tensors(m):
+                tid = id(t)
+                if tid in assigned:
+                    continue
+                assigned.add(tid)
+                trainable = is_param and t.requires_grad
+                if keep_resident(tid) or (trainable and not stream_trainable) or t.numel() == 0:
+                    for h in holders[tid]:
+                        resident.append(h)
+                    continue
+                unit.trainable |= trainable
+                unit.tensors.append(TensorSlot(m, n, is_param, t.shape, t.dtype))
+        if unit.tensors:
+            unit.layout()
+            units.append(unit)
+
+    def leaf_units(root: nn.Module) -> None:
+        for m in root.modules():
+            if any(True for _ in _direct_tensors(m)):
+                add_unit(m, [m], names.get(m, "") or "<root>")
+
+    def subtree_unit(m: nn.Module) -> None:
+        if split_threshold_bytes is not None and _subtree_bytes(m) > split_threshold_bytes:
+            split(m)
+        else:
+            add_unit(m, list(m.modules()), names.get(m, "") or "<root>")
+
+    def split(m: nn.Module) -> None:
+        # Own tensors first (anchored on m, live for m's whole forward), then children.
+        add_unit(m, [m], (names.get(m, "") or "<root>") + ":own")
+        for child in m.children():
+            subtree_unit(child)
+
+    g = Granularity(granularity)
+    block_lists = _find_block_lists(model)
+    if g is Granularity.AUTO:
+        g = Granularity.BLOCK if block_lists else Granularity.LEAF
+
+    if g is Granularity.LEAF:
+        if split_threshold_bytes is None:
+            leaf_units(model)
+        else:
+            subtree_unit(model)
+    else:
+        in_block: set[int] = set()
+        for _, lst in block_lists:
+            for block in lst.children():
+                in_block.update(id(x) for x in block.modules())
+                if g is Granularity.BLOCK:
+                    subtree_unit(block)
+                else:  # phase
+                    add_unit(block, [block], names[block] + ":own")
+                    for child in block.children():
+                        subtree_unit(child)
+        for m in model.modules():
+            if id(m) not in in_block and any(True for _ in _direct_tensors(m)):
+                add_unit(m, [m], names.get(m, "") or "<root>")
+    return UnitPlan(units=units, resident=resident, block_lists=[n for n, _ in block_lists])
