@@ -140,6 +140,7 @@ class Scheduler:
             gpus, self._free_gpus = self._free_gpus[: spec.gpus], self._free_gpus[spec.gpus:]
         try:
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
+            plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
             executor = self._executor(spec.executor)
             handle = executor.start(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
