@@ -27,7 +27,7 @@ from jobs.rundir import RunDir, utf8_safe_end
 from jobs.spec import parse_spec
 from jobs.store import TERMINAL, JobStore
 from jobs.worker.auth import AuthMiddleware, allowed_hosts
-from jobs.worker.metrics import WorkerMetrics
+from jobs.worker.metrics import TimingMiddleware, WorkerMetrics
 from jobs.worker.scheduler import Scheduler
 
 __all__ = ["create_app", "EventBus"]
@@ -126,15 +126,6 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         field = ".".join(str(p) for p in err.get("loc", ())[1:])
         return _json({"error": f"{field}: {err.get('msg')}", "param": field}, 400)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.latency.labels(getattr(route, "path", "other")).observe(time.perf_counter() - t0)
-        metrics.requests.labels(request.method, str(response.status_code)).inc()
-        return response
-
     @app.get("/healthz")
     def healthz() -> Response:
         return _json({"ok": True, "version": jobs.__version__, "pid": os.getpid()})
@@ -172,7 +163,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     @app.get("/v1/jobs")
     def list_jobs(status: str | None = None, limit: int | None = None) -> Response:
         statuses = [s for s in status.split(",") if s] if status else None
-        return _json({"jobs": store.list_jobs(statuses, limit)})
+        return Response(store.list_jobs_json(statuses, limit), media_type="application/json")
 
     @app.get("/v1/jobs/{job_id}")
     def show(job_id: str) -> Response:
@@ -221,6 +212,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         return StreamingResponse(_stream(store, bus, request, start), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    app.add_middleware(TimingMiddleware, metrics=metrics)
     app.add_middleware(AuthMiddleware, token=token, hosts=allowed_hosts(host, extra_hosts))  # outermost
     return app
 

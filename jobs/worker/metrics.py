@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["WorkerMetrics", "TimingMiddleware"]
 
 
 class _StoreCollector:
@@ -48,3 +49,30 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TimingMiddleware:
+    """Counts requests and times them by route template (pure ASGI: no body buffering)."""
+
+    def __init__(self, app: Any, metrics: WorkerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        code = [500]
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                code[0] = message["status"]
+                route = scope.get("route")
+                self.metrics.latency.labels(getattr(route, "path", "other")).observe(time.perf_counter() - t0)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(scope.get("method", ""), str(code[0])).inc()
