@@ -37,7 +37,8 @@ def worker_healthy(url: str, timeout: float = 1.0) -> bool:
 
 def start_local_worker(home: Path, host: str, port: int, wait_s: float = 30.0) -> str:
     """Start a detached worker on host:port over `home`; return its URL once /healthz answers."""
-    url = f"http://{_url_host(host)}:{port}"
+    from jobs.home import read_worker_info
+
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / LOG_FILE
     cmd = [sys.executable, "-m", "jobs.worker", "--host", host, "--port", str(port), "--home", str(home)]
@@ -53,11 +54,12 @@ def start_local_worker(home: Path, host: str, port: int, wait_s: float = 30.0) -
         if code is not None:
             raise CliError(f"the worker exited with code {code} while starting: "
                            f"{_last_line(log_path, start) or 'no output'} (full log: {log_path})")
-        if worker_healthy(url, timeout=0.5):
-            return url
+        # The worker publishes worker.json once its socket is bound (the real port, too, for --port 0).
+        info = read_worker_info(home) or {}
+        if info.get("pid") == proc.pid and info.get("url") and worker_healthy(str(info["url"]), timeout=0.5):
+            return str(info["url"])
         time.sleep(0.1)
-    raise CliError(f"the worker started (pid {proc.pid}) but {url}/healthz did not answer within "
-                   f"{wait_s:.0f}s; see {log_path}")
+    raise CliError(f"the worker started (pid {proc.pid}) but did not answer within {wait_s:.0f}s; see {log_path}")
 
 
 def stop_local_worker(home: Path, wait_s: float = 15.0) -> int | None:
@@ -81,12 +83,6 @@ def stop_local_worker(home: Path, wait_s: float = 15.0) -> int | None:
     while _alive(pid):
         time.sleep(0.05)
     return pid
-
-
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"  # a wildcard bind is reached through loopback
-    return f"[{host}]" if ":" in host else host
 
 
 def _alive(pid: int) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "jobs_table",
     "job_detail",
     "fmt_time",
+    "fmt_timestamp",
     "fmt_duration",
     "status_markup",
 ]
@@ -114,6 +115,14 @@ def fmt_time(value: Any) -> str:
     return fmt_duration(max(0.0, time.time() - t)) + " ago"
 
 
+def fmt_timestamp(value: Any) -> str:
+    """A timestamp in local time, to the second (for `show`)."""
+    t = _to_epoch(value)
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -180,11 +189,11 @@ def job_detail(job: dict[str, Any]) -> Table:
         ("name", escape(str(job.get("name") or "-"))),
         ("kind", escape(str(job.get("kind") or "-"))),
         ("status", status_markup(job.get("status"), job.get("reason"))),
-        ("attempt", str(job.get("attempt", "-"))),
+        ("attempt", f"{job.get('attempt', '-')}" + (f" of {job['max_attempts']}" if job.get("max_attempts") else "")),
         ("priority", str(job.get("priority", 0))),
-        ("created", f"{job.get('created_at') or '-'}  ({fmt_time(job.get('created_at'))})"),
-        ("started", str(job.get("started_at") or "-")),
-        ("finished", str(job.get("finished_at") or "-")),
+        ("created", f"{fmt_timestamp(job.get('created_at'))}  ({fmt_time(job.get('created_at'))})"),
+        ("started", fmt_timestamp(job.get("started_at"))),
+        ("finished", fmt_timestamp(job.get("finished_at"))),
         ("runtime", fmt_duration(job_runtime(job))),
         ("exit code", str(job.get("exit_code") if job.get("exit_code") is not None else "-")),
         ("run dir", escape(str(job.get("run_dir") or "-"))),

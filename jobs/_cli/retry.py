@@ -22,5 +22,4 @@ def retry(
     if json_out:
         print_json(job_summary(data))
     else:
-        attempt = f" (attempt {data['attempt']})" if data.get("attempt") else ""
-        typer.echo(f"{data.get('id', job_id)} {data.get('status', 'PENDING')}{attempt}")
+        typer.echo(f"{data.get('id', job_id)} {data.get('status', 'PENDING')} (queued for a new attempt)")

@@ -22,11 +22,23 @@ ComposeFileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Co
                                                         show_default=False)]
 
 
-def worker(host: HostOpt = DEFAULT_HOST, port: PortOpt = DEFAULT_PORT, home: HomeOpt = None) -> None:
+def worker(
+    host: HostOpt = DEFAULT_HOST,
+    port: PortOpt = DEFAULT_PORT,
+    home: HomeOpt = None,
+    max_cpu_jobs: Annotated[Optional[int], typer.Option("--max-cpu-jobs", min=1, show_default=False,
+                                                        help="Jobs that need no GPU run this many at once (default 4).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=0, show_default=False,
+                                                help="GPUs to schedule (default: detected).")] = None,
+    log_level: Annotated[Optional[str], typer.Option("--log-level", show_default=False,
+                                                     help="debug, info or warning (default).")] = None,
+) -> None:
     """Run the worker in the foreground (HTTP API, scheduler, store). Ctrl-C stops it."""
     from jobs._cli.worker_entry import run_worker_foreground
 
-    run_worker_foreground(host, port, home)
+    code = run_worker_foreground(host, port, home, max_cpu_jobs=max_cpu_jobs, gpus=gpus, log_level=log_level)
+    if code:
+        raise typer.Exit(code)
 
 
 def up(

@@ -1,23 +1,24 @@
-"""Running the core worker (`python -m jobs.worker`) inside this process, for `offload-jobs worker`."""
+"""Running the core worker (`jobs.worker.main`) inside this process, for `offload-jobs worker`."""
 
 from __future__ import annotations
 
-import runpy
-import sys
 from pathlib import Path
 
 __all__ = ["run_worker_foreground"]
 
 
-def run_worker_foreground(host: str, port: int, home: Path | None) -> None:
-    """Hand this process to the worker's own entry point, with its documented flags."""
-    argv = ["python -m jobs.worker", "--host", host, "--port", str(port)]
+def run_worker_foreground(host: str, port: int, home: Path | None, *, max_cpu_jobs: int | None = None,
+                          gpus: int | None = None, log_level: str | None = None) -> int:
+    """Hand this process to the worker's own entry point with its documented flags; returns its exit code."""
+    from jobs.worker.main import main  # fastapi + uvicorn + sqlalchemy: only for this verb
+
+    argv = ["--host", host, "--port", str(port)]
     if home is not None:
         argv += ["--home", str(home)]
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        # The worker's `__main__` owns its flags, logging and signal handling; we only forward.
-        runpy.run_module("jobs.worker", run_name="__main__", alter_sys=True)
-    finally:
-        sys.argv = saved
+    if max_cpu_jobs is not None:
+        argv += ["--max-cpu-jobs", str(max_cpu_jobs)]
+    if gpus is not None:
+        argv += ["--gpus", str(gpus)]
+    if log_level is not None:
+        argv += ["--log-level", log_level]
+    return main(argv) or 0
