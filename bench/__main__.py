@@ -1,0 +1,186 @@
+"""python -m bench --workloads p1,p2,p3 --json out.json [--device cuda|cpu] [--tiny] [--only ours,resident]
+
+Everything runs in this one process: the copy ceilings, then for each workload one CPU master
+model and one set of inputs, and every variant on a fresh copy of that master.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+ALL_VARIANTS = [
+    "resident", "resident-repeat", "ours", "ours-tuned", "ours-budget50", "ours-fp8", "serial-hooks",
+    "diffusers-leaf", "diffusers-block", "accelerate",
+]
+
+
+class UsageError(Exception):
+    """A bad command line; the message names the option."""
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Weight-offload benchmark: ours against resident and the peers.")
+    p.add_argument("--workloads", default="p1,p2,p3", help="comma list of p1, p2, p3")
+    p.add_argument("--json", dest="json_path", default=None, help="write every measurement here")
+    p.add_argument("--md", dest="md_path", default=None, help="also write the report as markdown here")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--tiny", action="store_true", help="shrink every workload so the whole run takes seconds on a CPU")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (the first traces the schedule)")
+    p.add_argument("--only", default=None, help=f"comma list of variants: {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--ceiling-gb", type=float, default=None, help="size of the pinned tensor for the H2D ceiling")
+    p.add_argument("--no-profile", action="store_true", help="skip the extra profiled step per variant")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
+    return p.parse_args(argv)
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    from .workloads import WORKLOADS
+
+    names = [w.strip().lower() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise UsageError(f"--workloads: unknown workload {bad[0] if bad else '(none)'!r} (choose from {', '.join(WORKLOADS)})")
+    only = None
+    if args.only:
+        only = [v.strip() for v in args.only.split(",") if v.strip()]
+        bad = [v for v in only if v not in ALL_VARIANTS]
+        if bad:
+            raise UsageError(f"--only: unknown variant {bad[0]!r} (choose from {', '.join(ALL_VARIANTS)})")
+    for key in ("repeats", "warmup"):
+        v = getattr(args, key)
+        if v is not None and v < (1 if key == "repeats" else 0):
+            raise UsageError(f"--{key}: must be >= {1 if key == 'repeats' else 0}, got {v}")
+    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+        raise UsageError(f"--device: expected cuda or cpu, got {args.device!r}")
+    return names, only
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("diffusers", "accelerate", "peft"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:
+            out[mod] = f"unavailable ({type(e).__name__})"
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from .floor import derive, workload_meta
+    from .measure import measure_ceilings
+    from .peers import variants_for
+    from .runner import run_tuned, run_variant
+    from .workloads import get_workload
+
+    names, only = _check(args)
+    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+    device = torch.device(want)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)
+    repeats = args.repeats if args.repeats is not None else (3 if args.tiny else 10)
+    torch.manual_seed(0)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, args.cpu_threads or 1))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    meta = {
+        **_versions(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "tiny": args.tiny,
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    gb = args.ceiling_gb if args.ceiling_gb is not None else (0.0625 if args.tiny or device.type == "cpu" else 2.0)
+    log(f"measuring the copy ceiling with {gb:g} GB ...")
+    ceiling = measure_ceilings(device, int(gb * 1e9))
+    ceiling["repeats"] = 10
+    log(f"  H2D {ceiling['h2d_gbps']:.2f} GB/s ({ceiling['kind']})")
+
+    rows: list[dict[str, Any]] = []
+    metas: dict[str, dict[str, Any]] = {}
+    for name in names:
+        wl = get_workload(name, args.tiny)
+        t0 = time.perf_counter()
+        master = wl.build()
+        inputs = wl.make_inputs(device)
+        metas[name] = workload_meta(wl, master)
+        metas[name]["build_s"] = time.perf_counter() - t0
+        log(f"{name}: {wl.title} ({metas[name]['weight_bytes'] / 1e9:.3f} GB, built in {metas[name]['build_s']:.1f} s)")
+        ref = None
+        for variant in variants_for(wl):
+            if only is not None and variant.name not in only:
+                continue
+            log(f"  {variant.name} ...")
+            kw = dict(warmup=warmup, repeats=repeats, ref=ref)
+            if variant.name == "ours-tuned":
+                row = run_tuned(wl, master, inputs, device, log=log, **kw)
+            else:
+                row = run_variant(wl, master, inputs, variant, device, profile=not args.no_profile, **kw)
+            reference = row.pop("_reference", None)
+            if variant.name == "resident" and reference is not None:
+                ref = reference
+            status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
+            log(f"    {status}")
+            rows.append(row)
+        del master, inputs
+    derive(rows, metas, ceiling)
+    return {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None or isinstance(obj, float):
+        return obj
+    return str(obj)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        _check(args)
+        result = run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .report import format_markdown, render
+
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(_jsonable(result), f, indent=1)
+    if args.md_path:
+        with open(args.md_path, "w") as f:
+            f.write(format_markdown(result))
+    render(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

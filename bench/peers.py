@@ -1,0 +1,177 @@
+"""Every way of running a model that the benchmark compares: resident, our engine, and the peers.
+
+Each variant is a small `setup(model, workload, device) -> Session`. The session carries the
+model to call, the optimizer (training), optional `stats` and `after_backward`, and `teardown`.
+A variant that cannot run a workload raises `NotApplicable` with the reason, which the table shows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .workloads import Workload
+
+__all__ = ["NotApplicable", "Session", "Variant", "ours_variant", "variants_for"]
+
+
+class NotApplicable(Exception):
+    """This variant cannot run this workload; the message says why."""
+
+
+@dataclass
+class Session:
+    model: nn.Module
+    teardown: Callable[[], None] = lambda: None
+    optimizer: torch.optim.Optimizer | None = None
+    stats: Callable[[], dict[str, Any]] | None = None
+    after_backward: Callable[[], None] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass
+class Variant:
+    name: str
+    setup: Callable[[nn.Module, Workload, torch.device], Session]
+    family: str  # resident | ours | peer
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- resident ---------------------------------------------------------------------------------
+
+
+def _resident(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+    model.to(device)
+    opt = wl.make_optimizer(model) if wl.train else None
+    return Session(model=model, optimizer=opt, note="plain AdamW on the device" if wl.optimizer_offload else "")
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+
+def _manager(model: nn.Module, device: torch.device, opt: torch.optim.Optimizer, cfg: dict[str, Any]) -> Any:
+    """OffloadTrainingManager with our config, passed as keywords or as an OffloadConfig, whichever it takes."""
+    from offload_core import OffloadConfig, OffloadTrainingManager
+
+    params = inspect.signature(OffloadTrainingManager).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    base = dict(target_device=str(device), enable_optimizer_cpu_offload=True)
+    if "optimizer" in params or takes_kwargs:
+        base["optimizer"] = opt
+    extra = {k: v for k, v in cfg.items() if k not in base}
+    if takes_kwargs or all(k in params for k in extra):
+        return OffloadTrainingManager(model, **base, **extra)
+    if "config" in params:
+        return OffloadTrainingManager(model, **base, config=OffloadConfig(**{**extra, "target_device": str(device)}))
+    raise TypeError(f"OffloadTrainingManager takes none of {sorted(extra)}")
+
+
+def ours_variant(name: str, **cfg: Any) -> Variant:
+    """Our engine with the given OffloadConfig overrides (block granularity, prefetch 2 by default)."""
+    cfg = {"offload_granularity": "block", "prefetch": 2, "use_streams": True, **cfg}
+
+    def setup(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        from offload_core import enable_offload
+
+        budget = cfg.get("vram_budget")
+        run_cfg = dict(cfg)
+        if isinstance(budget, float) and budget <= 1.0:
+            # a fraction of the streamed weight bytes, resolved on this copy of the model
+            run_cfg["vram_budget"] = int(budget * wl.streamed_bytes(model))
+        if wl.optimizer_offload:
+            opt = wl.make_optimizer(model)  # on the CPU master parameters, as DiffSynth does
+            mgr = _manager(model, device, opt, run_cfg)
+            remove = getattr(mgr, "remove", None) or getattr(getattr(mgr, "handle", None), "remove", lambda: None)
+            return Session(model, remove, opt, mgr.stats, mgr.after_backward, run_cfg)
+        h = enable_offload(model, target_device=str(device), **run_cfg)
+        opt = wl.make_optimizer(model) if wl.train else None  # LoRA params stay resident
+        return Session(model, h.remove, opt, h.stats, None, run_cfg)
+
+    return Variant(name, setup, "ours", cfg)
+
+
+# ---- peers ------------------------------------------------------------------------------------
+
+
+def _diffusers_group(leaf: bool) -> Callable[[nn.Module, Workload, torch.device], Session]:
+    def setup(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        try:
+            from diffusers.hooks import apply_group_offloading
+        except ImportError as e:
+            raise NotApplicable(f"diffusers is not installed ({e})") from None
+        streams = device.type == "cuda"  # diffusers refuses use_stream on a CPU onload device
+        kwargs: dict[str, Any] = dict(
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="leaf_level" if leaf else "block_level",
+            use_stream=streams,
+            record_stream=streams and leaf,
+        )
+        if not leaf:
+            kwargs["num_blocks_per_group"] = 1
+        if hasattr(model, "enable_group_offload"):
+            model.enable_group_offload(**kwargs)
+        else:  # a plain nn.Module: the same function that enable_group_offload calls
+            apply_group_offloading(model, **kwargs)
+        opt = wl.make_optimizer(model) if wl.train else None
+        note = "" if streams else "cpu: use_stream off (diffusers needs a stream backend)"
+        cfg = {k: (str(v) if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
+        return Session(model, lambda: _remove_diffusers_hooks(model), opt, config=cfg, note=note)
+
+    return setup
+
+
+def _remove_diffusers_hooks(model: nn.Module) -> None:
+    from diffusers.hooks import HookRegistry
+
+    for m in model.modules():
+        registry = getattr(m, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            for name in list(registry.hooks):
+                registry.remove_hook(name, recurse=False)
+
+
+def _accelerate(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+    if wl.train:
+        raise NotApplicable(
+            "accelerate.cpu_offload is inference-only: its hooks put parameters on the meta device and rebuild new "
+            "tensors from a frozen CPU state dict each forward, so an optimizer's updates never reach the model"
+        )
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_submodules
+
+    cpu_offload(model, execution_device=device)
+    return Session(model, lambda: remove_hook_from_submodules(model), config={"execution_device": str(device)})
+
+
+# ---- the list ---------------------------------------------------------------------------------
+
+
+def variants_for(wl: Workload) -> list[Variant]:
+    """Every variant of a workload, in run order (ours before the peers, so their pinned caches can't help us)."""
+    out = [
+        Variant("resident", _resident, "resident"),
+        Variant("resident-repeat", _resident, "resident"),
+        ours_variant("ours"),
+        Variant("ours-tuned", ours_variant("ours-tuned").setup, "ours", {"sweep": "prefetch 1-4 x block/leaf"}),
+    ]
+    if wl.name == "p1":
+        out += [ours_variant("ours-budget50", vram_budget=0.5), ours_variant("ours-fp8", weight_dtype="float8_e4m3fn")]
+    if wl.train:
+        out.append(ours_variant("serial-hooks", use_streams=False, prefetch=0))
+    out += [
+        Variant("diffusers-leaf", _diffusers_group(leaf=True), "peer", {"offload_type": "leaf_level", "use_stream": True, "record_stream": True}),
+        Variant("diffusers-block", _diffusers_group(leaf=False), "peer", {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}),
+        Variant("accelerate", _accelerate, "peer", {"fn": "accelerate.cpu_offload"}),
+    ]
+    return out
+
+
+TUNE_GRID: list[dict[str, Any]] = [
+    {"prefetch": pf, "offload_granularity": g} for g in ("block", "leaf") for pf in (1, 2, 3, 4)
+]

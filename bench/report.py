@@ -1,0 +1,163 @@
+"""Print the results: ceilings and floors first, then the reasons for n/a and errors, the table last."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["format_header", "format_markdown", "format_table", "render"]
+
+COLUMNS = [
+    "workload", "variant", "time ms", "x res", "x floor", "target", "peak GB", "H2D GB/step",
+    "RSS/W", "pin/W", "setup s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
+]
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    try:
+        return fmt.format(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _exact(r: dict[str, Any]) -> str:
+    eq = r.get("bitwise_equal")
+    if eq is None:
+        return "-"
+    if "trajectory_bitwise_equal" in r and eq and not r["trajectory_bitwise_equal"]:
+        return "step1"  # first step exact, later steps drift (optimizer rounding)
+    return "yes" if eq else "NO"
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    head = [r["workload"], r["variant"]]
+    if r.get("status") != "ok":
+        reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
+        short = (reason[:60] + "...") if len(reason) > 60 else reason
+        return head + [r.get("status", "?")] + ["-"] * (len(COLUMNS) - 4) + [short]
+    target = r.get("target_x_floor")
+    tgt = "-" if target is None else f"<={target:g} " + ("ok" if r.get("meets_target") else "MISS")
+    peak = r.get("peak_vram_bytes")
+    if peak is not None:
+        peak /= 1e9
+    h2d = r.get("h2d_bytes_per_step")
+    h2d_s = "-" if h2d is None else f"{h2d / 1e9:.3f}" + ("" if r.get("h2d_source") == "engine" else "*")
+    diff = r.get("max_abs_diff")
+    return head + [
+        _f(r.get("time_ms")),
+        _f(r.get("x_resident")),
+        _f(r.get("x_floor")),
+        tgt,
+        _f(peak),
+        h2d_s,
+        _f(r.get("rss_over_weight")),
+        _f(r.get("pinned_over_weight"), "{:.3f}"),
+        _f(r.get("setup_s_per_gb"), "{:.3f}"),
+        _exact(r),
+        "-" if diff is None else f"{diff:.2e}",
+        _f(r.get("stall_ms_per_step")),
+        _f(r.get("prefetch_misses_per_step"), "{:g}"),
+        _f(r.get("predicted_step_ms")),
+        _short_note(r),
+    ]
+
+
+def _short_note(r: dict[str, Any]) -> str:
+    cfg = r.get("config", {})
+    if r.get("family") != "ours":
+        return ""
+    bits = [f"pf{cfg.get('prefetch')}/{cfg.get('offload_granularity')}"]
+    if not cfg.get("use_streams", True):
+        bits.append("no streams")
+    if cfg.get("weight_dtype"):
+        bits.append(str(cfg["weight_dtype"]))
+    if isinstance(cfg.get("vram_budget"), (int, float)):
+        bits.append(f"budget {cfg['vram_budget'] / 1e9:.2f} GB")
+    return " ".join(bits)
+
+
+def format_header(result: dict[str, Any]) -> list[str]:
+    c = result["ceiling"]
+    lines = [f"device: {result['meta']['device_name']}  torch {result['meta']['torch']}  tiny={result['meta']['tiny']}"]
+    line = f"ceiling ({c['kind']}, {c['bytes'] / 1e9:.2f} GB x {c.get('repeats', '?')}): H2D {c['h2d_gbps']:.2f} GB/s (max {c['h2d_gbps_max']:.2f})"
+    if c.get("d2h_gbps"):
+        line += f", D2H {c['d2h_gbps']:.2f} GB/s, both at once {c['bidir_gbps']:.2f} GB/s"
+    lines.append(line)
+    for name, m in result["workloads"].items():
+        res = m.get("resident_ms")
+        lines.append(
+            f"{name}: {m['title']}; weights {m['weight_bytes'] / 1e9:.3f} GB; must cross {m['must_cross_bytes'] / 1e9:.3f} GB "
+            f"({m['floor_note']}) = {m['bytes_ms']:.2f} ms; resident {_f(res)} ms; floor {m['floor_ms']:.2f} ms"
+            + (f"; optimistic floor (both directions at once) {m['floor_optimistic_ms']:.2f} ms" if m.get("floor_optimistic_ms") else "")
+        )
+    return lines
+
+
+def format_notes(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        tag = f"{r['workload']}/{r['variant']}"
+        if r.get("status") != "ok":
+            out.append(f"{tag}: {r.get('status')}: {r.get('reason')}")
+            continue
+        bits = []
+        if r.get("note"):
+            bits.append(r["note"])
+        if r.get("sweep"):
+            bits.append("chose " + ", ".join(f"{k}={v}" for k, v in r["config"].items() if k in ("prefetch", "offload_granularity")))
+        if r.get("floor_basis") and r["floor_basis"] != "workload floor":
+            bits.append(f"floor {r['floor_ms']:.2f} ms ({r['floor_basis']})")
+        if r.get("rel_l2_err") is not None and r.get("bitwise_equal") is None:
+            bits.append(f"rel L2 error vs bf16 resident {r['rel_l2_err']:.2e}")
+        if r.get("vram_within_bound") is not None:
+            bits.append(f"peak VRAM {'within' if r['vram_within_bound'] else 'OVER'} {r['vram_bound_basis']} ({r['vram_bound_bytes'] / 1e9:.2f} GB)")
+        prof, eng = r.get("profiler"), r.get("h2d_bytes_per_step")
+        if prof and r.get("h2d_source") == "engine" and eng:
+            bits.append(f"engine H2D counter / profiler = {eng / max(prof['h2d_bytes'], 1):.4f}")
+        if r.get("vram_after_teardown_bytes") and r.get("vram_baseline_bytes") is not None and r["vram_after_teardown_bytes"] > r["vram_baseline_bytes"]:
+            bits.append(f"{(r['vram_after_teardown_bytes'] - r['vram_baseline_bytes']) / 1e6:.1f} MB of VRAM left after teardown")
+        if bits:
+            out.append(f"{tag}: " + "; ".join(bits))
+    return out
+
+
+def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    table = [COLUMNS] + [_cells(r) for r in rows]
+    if markdown:
+        out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in table[1:]]
+        return "\n".join(out)
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = []
+    for j, row in enumerate(table):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
+    for line in format_header(result):
+        echo(line)
+    notes = format_notes(result["rows"])
+    if notes:
+        echo("")
+        echo("notes:")
+        for line in notes:
+            echo("  " + line)
+    echo("")
+    echo("x floor: time / the row's floor.  H2D GB/step: from the engine's counters, or * from torch.profiler.")
+    echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
+    echo(format_table(result["rows"]))
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """The same report as markdown, ready to paste into bench/RESULTS.md."""
+    parts = ["```", *format_header(result), "```", "", format_table(result["rows"], markdown=True)]
+    notes = format_notes(result["rows"])
+    if notes:
+        parts += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,245 @@
+"""Run one variant on a fresh copy of a workload's master model and measure it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+from .measure import free_device, host_rss, profile_copies, sync, time_steps
+from .models import tensor_bytes
+from .peers import TUNE_GRID, NotApplicable, Session, Variant, ours_variant
+from .workloads import Workload
+
+__all__ = ["Reference", "run_variant", "run_tuned"]
+
+# Engine counters whose growth over the timed steps is reported per step.
+_COUNTERS = ("h2d_bytes", "h2d_count", "d2h_bytes", "stall_ms", "prefetch_misses")
+
+
+class Reference:
+    """What resident produced, for the bit-for-bit comparison."""
+
+    def __init__(self) -> None:
+        self.output: torch.Tensor | None = None  # inference: the last timed output
+        self.trajectory: torch.Tensor | None = None  # training: the loss of every step
+
+
+def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
+    if not wl.train:
+
+        def infer() -> torch.Tensor:
+            with torch.no_grad():
+                return wl.forward(sess.model, inputs)
+
+        return infer
+
+    def train() -> torch.Tensor:
+        loss = wl.loss(sess.model, inputs)
+        loss.backward()
+        if sess.after_backward is not None:
+            sess.after_backward()
+        sess.optimizer.step()
+        sess.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return train
+
+
+def _numeric(stats: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-friendly part of an engine stats dict; 'units' is summarized, not copied."""
+    out: dict[str, Any] = {}
+    for k, v in stats.items():
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[k] = v
+    plan = stats.get("plan")
+    if isinstance(plan, dict):
+        out.update({f"plan_{k}": v for k, v in plan.items() if isinstance(v, (bool, int, float, str))})
+    units = stats.get("units")
+    if units is not None:
+        sizes = _unit_sizes(units)
+        out["units_count"] = len(units) if hasattr(units, "__len__") else None
+        out["largest_unit_bytes"] = max(sizes) if sizes else None
+    return out
+
+
+def _unit_sizes(units: Any) -> list[int]:
+    items = units.values() if isinstance(units, dict) else units
+    sizes = []
+    for u in items:
+        if isinstance(u, (int, float)):
+            sizes.append(int(u))
+        elif isinstance(u, dict):
+            for key in ("bytes", "nbytes", "size_bytes", "weight_bytes"):
+                if isinstance(u.get(key), (int, float)):
+                    sizes.append(int(u[key]))
+                    break
+        else:
+            for key in ("bytes", "nbytes", "size_bytes"):
+                if isinstance(getattr(u, key, None), (int, float)):
+                    sizes.append(int(getattr(u, key)))
+                    break
+    return sizes
+
+
+def _compare(row: dict[str, Any], wl: Workload, result: torch.Tensor, ref: Reference, variant: Variant) -> None:
+    want = ref.trajectory if wl.train else ref.output
+    if want is None:
+        return
+    got = result.float()
+    if got.shape != want.shape:
+        row["bitwise_equal"] = False
+        row["max_abs_diff"] = math.inf
+        return
+    diff = (got - want).abs()
+    if wl.train:
+        # Step 1 runs on identical weights: its loss must match bit for bit. Later steps also
+        # test the optimizer, whose CPU and GPU kernels may round differently.
+        row["bitwise_equal"] = bool(torch.equal(got[0], want[0]))
+        row["trajectory_bitwise_equal"] = bool(torch.equal(got, want))
+        row["max_abs_diff"] = float(diff.max())
+        row["max_rel_diff"] = float((diff / want.abs().clamp_min(1e-12)).max())
+        return
+    row["max_abs_diff"] = float(diff.max())
+    row["rel_l2_err"] = float(diff.norm() / want.norm().clamp_min(1e-12))
+    if variant.config.get("weight_dtype") == "float8_e4m3fn":
+        row["bitwise_equal"] = None  # different weights by design; the error is what counts
+    else:
+        row["bitwise_equal"] = bool(torch.equal(got, want))
+
+
+def run_variant(
+    wl: Workload,
+    master: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    variant: Variant,
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+    ref: Reference | None,
+    profile: bool = True,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"workload": wl.name, "variant": variant.name, "family": variant.family, "config": dict(variant.config)}
+    weight_bytes = tensor_bytes(master)
+    free_device(device)
+    rss0 = host_rss()
+    sess: Session | None = None
+    model: nn.Module | None = None
+    try:
+        model = copy.deepcopy(master)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        vram0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        sync(device)
+        t0 = time.perf_counter()
+        sess = variant.setup(model, wl, device)
+        sync(device)
+        row["setup_s"] = time.perf_counter() - t0
+        row["setup_s_per_gb"] = row["setup_s"] / (weight_bytes / 1e9)
+        row["config"].update({k: v for k, v in sess.config.items() if isinstance(v, (bool, int, float, str)) or v is None})
+        if sess.note:
+            row["note"] = sess.note
+        step = _step_fn(wl, sess, inputs)
+
+        warm_results = [step() for _ in range(warmup)]
+        sync(device)
+        stats0 = sess.stats() if sess.stats else None
+        timing, results = time_steps(step, device, repeats)
+        stats1 = sess.stats() if sess.stats else None
+
+        row["times_ms"] = timing.wall_ms
+        row["event_times_ms"] = timing.event_ms
+        row["time_ms"] = timing.median_ms
+        if device.type == "cuda":
+            row["peak_vram_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["vram_baseline_bytes"] = vram0
+        row["rss_over_weight"] = (host_rss() - rss0) / weight_bytes
+        if stats1 is not None:
+            row["stats"] = _numeric(stats1)
+            for key in _COUNTERS:
+                if isinstance(stats1.get(key), (int, float)) and isinstance((stats0 or {}).get(key), (int, float)):
+                    row[f"{key}_per_step"] = (stats1[key] - stats0[key]) / repeats
+            if isinstance(stats1.get("pinned_capacity_bytes"), (int, float)):
+                row["pinned_over_weight"] = stats1["pinned_capacity_bytes"] / weight_bytes
+            row["predicted_step_ms"] = stats1.get("predicted_step_ms", row["stats"].get("plan_predicted_step_ms"))
+            row["prefetch_misses_total"] = stats1.get("prefetch_misses")
+        if row.get("h2d_bytes_per_step") is not None:
+            row["h2d_source"] = "engine"
+
+        if wl.train:
+            result = torch.stack([r.float() for r in warm_results + results]).cpu()
+        else:
+            result = results[-1].float().cpu()
+        del warm_results, results
+        if ref is None:
+            ref_new = Reference()
+            if wl.train:
+                ref_new.trajectory = result
+            else:
+                ref_new.output = result
+            row["_reference"] = ref_new
+        else:
+            _compare(row, wl, result, ref, variant)
+
+        if profile and device.type == "cuda":
+            # One extra step under the profiler: the bytes the GPU really copied (after the timed
+            # steps, so it costs them nothing), to check the engine's counters and to size peers.
+            copies = profile_copies(step, device)
+            if copies is not None:
+                row["profiler"] = copies
+                if row.get("h2d_bytes_per_step") is None:
+                    row["h2d_bytes_per_step"] = copies["h2d_bytes"]
+                    row["d2h_bytes_per_step"] = copies["d2h_bytes"]
+                    row["h2d_source"] = "profiler"
+        row["status"] = "ok"
+    except NotApplicable as e:
+        row.update(status="n/a", reason=str(e))
+    except Exception as e:  # one broken variant must not stop the others
+        row.update(status="error", reason=f"{type(e).__name__}: {e}".strip(), traceback=traceback.format_exc(limit=8))
+    finally:
+        if sess is not None:
+            try:
+                sess.teardown()
+            except Exception as e:
+                row.setdefault("teardown_error", f"{type(e).__name__}: {e}")
+        sess = None
+        model = None
+        free_device(device)
+        if device.type == "cuda":
+            row["vram_after_teardown_bytes"] = torch.cuda.memory_allocated(device)
+    return row
+
+
+def run_tuned(
+    wl: Workload,
+    master: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+    ref: Reference | None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Sweep prefetch x granularity quickly, then measure the best setting in full as 'ours-tuned'."""
+    sweep = []
+    quick = max(2, repeats // 2)
+    for cfg in TUNE_GRID:
+        label = f"pf{cfg['prefetch']}/{cfg['offload_granularity']}"
+        r = run_variant(wl, master, inputs, ours_variant("ours-sweep", **cfg), device, warmup=warmup, repeats=quick, ref=ref, profile=False)
+        sweep.append({"config": label, "status": r["status"], "time_ms": r.get("time_ms"), "reason": r.get("reason")})
+        log(f"    sweep {label}: " + (f"{r['time_ms']:.2f} ms" if r["status"] == "ok" else r.get("reason", r["status"])))
+    ok = [(s["time_ms"], cfg) for s, cfg in zip(sweep, TUNE_GRID) if s["status"] == "ok"]
+    if not ok:
+        return {"workload": wl.name, "variant": "ours-tuned", "family": "ours", "status": "error",
+                "reason": "every sweep setting failed: " + (sweep[0].get("reason") or ""), "sweep": sweep, "config": {}}
+    best = min(ok, key=lambda t: t[0])[1]
+    row = run_variant(wl, master, inputs, ours_variant("ours-tuned", **best), device, warmup=warmup, repeats=repeats, ref=ref)
+    row["sweep"] = sweep
+    return row
