@@ -31,6 +31,7 @@ class Launch:
     cwd: str
     run_dir: RunDir
     gpus: list[int] = field(default_factory=list)  # device indexes given to this attempt
+    job_env: dict[str, str] = field(default_factory=dict)  # only what differs from the worker's env (for containers)
     image: str | None = None
     shm_size: int | None = None
 

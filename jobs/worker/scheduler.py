@@ -145,6 +145,7 @@ class Scheduler:
             handle = executor.start(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
                 gpus=gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
+                job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v},
             ))
         except SetupFailed as exc:
             self._free_gpus.extend(gpus)
