@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from .floor import derive, workload_meta
-    from .measure import measure_ceilings
+    from .measure import measure_ceilings, warm_device
     from .peers import variants_for
     from .runner import run_tuned, run_variant
     from .workloads import get_workload
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ceiling = measure_ceilings(device, int(gb * 1e9))
     ceiling["repeats"] = 10
     log(f"  H2D {ceiling['h2d_gbps']:.2f} GB/s ({ceiling['kind']})")
+    warm_device(device)
 
     rows: list[dict[str, Any]] = []
     metas: dict[str, dict[str, Any]] = {}

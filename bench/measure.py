@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "Timing",
     "free_device",
+    "warm_device",
     "host_rss",
     "measure_ceilings",
     "profile_copies",
@@ -40,6 +41,26 @@ def free_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        # Pinned blocks freed by one variant stay cached by torch's host allocator; drop them so
+        # the next variant neither reuses them nor is charged for them in its RSS.
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache", "_cuda_hostEmptyCache"):
+            fn = getattr(torch._C, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:
+                    pass
+                break
+
+
+def warm_device(device: torch.device) -> None:
+    """Touch matmul, attention and norm kernels once, so library start-up is not charged to the first variant."""
+    for dt in (torch.bfloat16, torch.float32):
+        a = torch.randn(256, 256, device=device, dtype=dt, requires_grad=True)
+        q = a.view(1, 4, 64, 256)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q).sum() + torch.nn.functional.layer_norm(a @ a, (256,)).sum()
+        out.backward()
+    sync(device)
 
 
 @dataclass

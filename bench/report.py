@@ -75,7 +75,8 @@ def _short_note(r: dict[str, Any]) -> str:
     if cfg.get("weight_dtype"):
         bits.append(str(cfg["weight_dtype"]))
     if isinstance(cfg.get("vram_budget"), (int, float)):
-        bits.append(f"budget {cfg['vram_budget'] / 1e9:.2f} GB")
+        b = cfg["vram_budget"]
+        bits.append(f"budget {b / 1e9:.2f} GB" if b >= 1e8 else f"budget {b / 1e6:.2f} MB")
     return " ".join(bits)
 
 
