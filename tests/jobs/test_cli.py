@@ -329,3 +329,20 @@ def test_bad_token_is_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(connect, "connect", lambda: JobsClient("http://fake", "wrong", transport=fake_worker()))
     line = one_error_line(runner.invoke(app, ["ps"]))
     assert "token" in line
+
+
+# ------------------------------------------------------------------ generated docs
+
+
+def test_generated_docs_are_current() -> None:
+    """docs/cli.md and docs/yaml-reference.md match the app and the schema (rerun scripts/gen_docs.py)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_docs.py"), "--check"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    cli_md = (REPO / "docs" / "cli.md").read_text()
+    assert all(f"## `offload-jobs {verb}`" in cli_md for verb in VERBS)
+    yaml_md = (REPO / "docs" / "yaml-reference.md").read_text()
+    assert "`limits.max_duration` | *duration*" in yaml_md and "`offload.vram_budget` | *size*" in yaml_md

@@ -1,0 +1,83 @@
+"""`offload-jobs --help` and `offload-jobs ps` stay light: no torch, diffusers, fastapi, sqlalchemy or
+uvicorn (python -X importtime evidence), and the measured wall time of `ps` is reported."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FORBIDDEN = ("torch", "diffusers", "fastapi", "sqlalchemy", "uvicorn", "starlette", "peft", "accelerate",
+             "safetensors", "offload_core", "textual")
+
+
+def imported_modules(args: list[str], home: Path) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    """Run `python -X importtime -m jobs.cli ARGS` and return every module it imported."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+    env["OFFLOAD_JOBS_HOME"] = str(home)
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "jobs.cli", *args], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=60)
+    mods = set()
+    for line in res.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                mods.add(name)
+    return mods, res
+
+
+def heavy(mods: set[str]) -> list[str]:
+    return sorted(m for m in mods if m.split(".")[0] in FORBIDDEN)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["ps", "--help"], ["submit", "--help"]])
+def test_help_imports_nothing_heavy(args: list[str], tmp_path: Path) -> None:
+    mods, res = imported_modules(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "jobs._cli.output" in mods and "typer" in mods  # the probe saw the real imports
+    assert heavy(mods) == []
+    assert "jobs.client" not in mods and "httpx" not in mods  # --help does not even load the client
+
+
+@pytest.mark.parametrize("args", [["ps", "--json"], ["ps"], ["ps", "--all"]])
+def test_ps_imports_nothing_heavy(args: list[str], worker: Any) -> None:
+    mods, res = imported_modules(args, worker.home)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert {"jobs._cli.output", "jobs.client", "httpx"} <= mods  # it did talk to the worker
+    assert heavy(mods) == []
+    # typer builds a pydantic adapter per option; jobs._cli.lazy_coercion defers that until a value is given.
+    assert "typer._adapters" not in mods
+    assert not any(m == "pydantic" or m.startswith("pydantic.") for m in mods)
+
+
+def test_no_worker_error_imports_nothing_heavy(tmp_path: Path) -> None:
+    mods, res = imported_modules(["ps"], tmp_path)
+    assert res.returncode == 2
+    assert heavy(mods) == []
+
+
+def test_report_ps_wall_time(worker: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reports (does not assert) the wall time of the real console script `offload-jobs ps`."""
+    exe = Path(sys.executable).parent / "offload-jobs"
+    if not exe.exists():
+        pytest.fail("the offload-jobs console script is not installed; run: .venv/bin/pip install -e . --no-deps")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+    env["OFFLOAD_JOBS_HOME"] = str(worker.home)
+    times: dict[str, list[float]] = {"ps": [], "ps --json": []}
+    for _ in range(7):
+        for label in times:
+            t0 = time.perf_counter()
+            res = subprocess.run([str(exe), *label.split()], capture_output=True, text=True, env=env, timeout=60)
+            times[label].append(time.perf_counter() - t0)
+            assert res.returncode == 0, res.stderr
+    with capsys.disabled():
+        for label, ts in times.items():
+            print(f"\n[latency] offload-jobs {label}: median {statistics.median(ts) * 1000:.0f} ms, "
+                  f"min {min(ts) * 1000:.0f} ms, max {max(ts) * 1000:.0f} ms over {len(ts)} runs (budget 300 ms)")
