@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from jobs._cli.output import CliError
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
     from jobs.client import JobsClient
 
 __all__ = ["connect", "resolve_job"]
+
+_ID_CHARS = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
 def connect() -> JobsClient:
@@ -61,6 +64,8 @@ def resolve_job(client: JobsClient, ref: str) -> dict[str, Any]:
     ref = ref.strip()
     if not ref:
         raise CliError("a job id (or a unique prefix of one) is required")
+    if not _ID_CHARS.fullmatch(ref):
+        raise JobNotFound(ref)  # not an id at all; don't build a URL path out of it
     try:
         return client.get(ref)
     except JobNotFound:

@@ -298,9 +298,10 @@ def test_ambiguous_prefix(runner: CliRunner, fake_client: None) -> None:
     assert "ambiguous" in line and "abc111" in line and "abc222" in line
 
 
-def test_unknown_job(runner: CliRunner, fake_client: None) -> None:
-    line = one_error_line(runner.invoke(app, ["show", "zzz"]))
-    assert "zzz" in line
+@pytest.mark.parametrize("ref", ["zzz", "a/b", "../v1/jobs", "x y"])
+def test_unknown_job(runner: CliRunner, fake_client: None, ref: str) -> None:
+    line = one_error_line(runner.invoke(app, ["show", ref]))
+    assert f"no job with id {ref!r}" in line
 
 
 def test_ps_defaults_to_active_jobs(runner: CliRunner, fake_client: None) -> None:

@@ -144,6 +144,15 @@ def test_submit_set_override_reaches_the_job(cli: CLI, tmp_path: Path) -> None:
     assert "greeting=bonjour" in res.stdout
 
 
+def test_submit_json_keeps_stdout_for_the_result(cli: CLI, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "echo to-stderr-with-json", name="json-attached")
+    res = cli("submit", str(spec), "--json")
+    assert res.returncode == 0, res.stderr
+    job = json.loads(res.stdout)  # the log went to stderr, so stdout is pure JSON
+    assert (job["name"], job["status"], job["exit_code"]) == ("json-attached", "SUCCEEDED", 0)
+    assert "to-stderr-with-json" in res.stderr
+
+
 def test_submit_detach_prints_the_id_alone(cli: CLI, api: JobsClient, tmp_path: Path) -> None:
     spec = write_spec(tmp_path, "echo detached", name="detach")
     res = cli("submit", str(spec), "-d")
@@ -311,6 +320,12 @@ def test_unknown_job_and_bad_token(cli: CLI) -> None:
     assert "no-such-job" in line
     line = assert_one_error_line(cli("ps", OFFLOAD_JOBS_TOKEN="not-the-token"))
     assert "token" in line
+
+
+def test_up_local_on_a_busy_port(worker: Any, tmp_path: Path) -> None:
+    cli = CLI(tmp_path / "other-home", tmp_path)
+    line = assert_one_error_line(cli("up", "--local", "--port", str(worker.port), timeout=90))
+    assert "address already in use" in line and "worker.log" in line
 
 
 def test_no_worker_message(tmp_path: Path) -> None:
