@@ -14,8 +14,8 @@ import typer
 
 from jobs._cli.output import CliError
 
-# The names offload_core.shard may give its entry point, most specific first.
-_ENTRY_NAMES = ("shard_checkpoint", "shard_model", "shard", "run_shard", "main")
+# The entry point, as the shard runner (jobs/runners/shard_main.py) also looks it up.
+_ENTRY_NAMES = ("shard_checkpoint", "shard")
 
 
 def shard(
@@ -36,7 +36,10 @@ def shard(
         if "dtype" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise CliError("--dtype: this build of offload_core.shard cannot convert dtypes")
         kwargs["dtype"] = dtype
-    result = entry(str(src), str(dst), **kwargs)
+    try:
+        result = entry(str(src), str(dst), **kwargs)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        raise CliError(f"shard: {exc}") from None
     typer.echo(f"sharded {src} -> {dst}", err=True)
     if isinstance(result, (str, Path)):
         typer.echo(str(result))
@@ -54,4 +57,4 @@ def _shard_entry() -> Callable[..., Any]:
         fn = getattr(mod, name, None)
         if callable(fn) and not inspect.isclass(fn):
             return fn
-    raise CliError(f"offload_core.shard has no entry point (looked for {', '.join(_ENTRY_NAMES)})")
+    raise CliError("offload_core.shard has no shard_checkpoint(src, dst, dtype=...) function")

@@ -211,6 +211,31 @@ def test_shard_without_engine_support(runner: CliRunner, tmp_path: Path) -> None
     assert "offload_core.shard" in line
 
 
+def test_shard_calls_the_engine_in_process(runner: CliRunner, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verb's wiring, with a stand-in for offload_core.shard (the real one is covered end to end)."""
+    import sys
+    import types
+
+    calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def shard_checkpoint(src: str, dst: str, dtype: str | None = None) -> str:
+        calls.append((src, dst, {"dtype": dtype}))
+        if "missing" in dst:
+            raise FileNotFoundError(f"no such directory: {dst}")
+        return f"{dst}/index.json"
+
+    fake = types.ModuleType("offload_core.shard")
+    fake.shard_checkpoint = shard_checkpoint  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "offload_core.shard", fake)
+    result = runner.invoke(app, ["shard", str(tmp_path), str(tmp_path / "out"), "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert calls == [(str(tmp_path), str(tmp_path / "out"), {"dtype": "bfloat16"})]
+    assert result.stdout.strip() == f"{tmp_path / 'out'}/index.json"
+    line = one_error_line(runner.invoke(app, ["shard", str(tmp_path), str(tmp_path / "missing")]))
+    assert "no such directory" in line
+
+
 def test_up_and_down_without_docker(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no docker binary here
     for verb in ("up", "down"):
