@@ -88,7 +88,8 @@ def parse_duration(value: Any) -> Any:
     if isinstance(value, str):
         parts = re.findall(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", value)
         rest = re.sub(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", "", value).strip()
-        if not parts or rest or any(u.lower() not in _SECONDS for _, u in parts):
+        bare = len(parts) > 1 and any(not u for _, u in parts)  # "1h30": 30 what?
+        if not parts or rest or bare or any(u.lower() not in _SECONDS for _, u in parts):
             raise ValueError(f"not a duration: {value!r} (use seconds or e.g. '30m', '1h30m', '90s')")
         return float(sum(float(n) * _SECONDS[u.lower()] for n, u in parts))
     return value

@@ -7,7 +7,9 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,14 @@ def _unwrap(app: Any) -> Any:
     return app
 
 
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(sig: int, frame: Any) -> None:
+    raise _Stopped()
+
+
 def _lock(home: Path) -> Any:
     f = open(home / "worker.lock", "a+")
     try:
@@ -90,7 +100,14 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
         app = create_app(h, host=host, max_cpu_jobs=max_cpu_jobs, gpu_count=gpus, extra_hosts=extra)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=5, access_log=False)
-        _Server(config, h, host).run()
+        # uvicorn re-raises the signal that stopped it once it has shut down; make that a clean return.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _stopped)
+        try:
+            _Server(config, h, host).run()
+        except _Stopped:
+            pass
     finally:
         info = h / WORKER_FILE
         try:

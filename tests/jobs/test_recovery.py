@@ -87,3 +87,42 @@ def test_second_worker_on_same_state_dir_is_refused(worker_factory, tmp_path: Pa
 
     with pytest.raises(RuntimeError, match="already owns"):
         worker_factory(home=home)
+
+
+def test_sigterm_ends_event_streams_and_requeues_running_jobs(worker_factory, tmp_path: Path) -> None:
+    import threading
+
+    home = tmp_path / "home"
+    w = worker_factory(home=home)
+    c = w.client()
+    job = c.submit({"kind": "command", "command": 'echo "run $OFFLOAD_JOBS_ATTEMPT"; sleep 60', "limits": {"stop_grace": 1}})
+    while "run 1" not in c.logs(job["id"])["data"]:
+        time.sleep(0.05)
+    pgid = c.get(job["id"])["attempts"][0]["pgid"]
+    got: list[dict] = []
+    ended = threading.Event()
+
+    def listen() -> None:
+        for ev in c.events(last_event_id=0):
+            got.append(ev)
+        ended.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    while not got:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    w.stop()  # SIGTERM
+    assert w.proc.returncode == 0
+    assert ended.wait(10), "the event stream ended with the worker"
+    assert time.monotonic() - t0 < 10
+    assert pgid_alive(pgid) == []
+    assert not (home / "worker.json").exists()
+
+    w2 = worker_factory(home=home)
+    c2 = w2.client()
+    while c2.get(job["id"])["attempt"] < 2:
+        time.sleep(0.05)
+    j = c2.get(job["id"])
+    assert j["attempts"][0]["reason"] == "worker_lost"
+    c2.cancel(job["id"])
+    assert c2.wait(job["id"], timeout=30)["status"] == "CANCELLED"
