@@ -32,8 +32,8 @@ else through the state dir (`OFFLOAD_JOBS_HOME`, default `~/.offload-jobs`), whe
 keeps `worker.json` (its URL) and `token`. Start one with `offload-jobs up --local` (a background
 process) or `offload-jobs up` (`docker compose up -d`).
 
-Every command takes `-h` / `--help`. Job ids may be shortened to any unique prefix. Wherever a table is printed, `--json` prints JSON
-instead. `python -m jobs ...` is the same as `offload-jobs ...`.
+Every command takes `-h` / `--help`. Job ids may be shortened to any unique prefix. Wherever a
+table is printed, `--json` prints JSON instead. `python -m jobs ...` is the same as `offload-jobs ...`.
 
 **Exit codes:** `0` success; `1` the job `submit` waited for did not succeed; `2` a mistake the user
 can fix (bad spec, missing file, no worker, bad token, unknown job), reported as one line on stderr;

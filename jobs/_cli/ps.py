@@ -13,8 +13,8 @@ STATUSES = sorted(ACTIVE | TERMINAL)
 
 def ps(
     all_jobs: Annotated[bool, typer.Option("--all", "-a", help="Include finished jobs.")] = False,
-    status: Annotated[Optional[str], typer.Option("--status", "-s", help=f"Only jobs in this status ({', '.join(STATUSES)}).",
-                                                  show_default=False)] = None,
+    status: Annotated[Optional[str], typer.Option(
+        "--status", "-s", help=f"Only jobs in this status ({', '.join(STATUSES)}).", show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="At most this many jobs.",
                                                  show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,

@@ -19,12 +19,12 @@ _ENTRY_NAMES = ("shard_checkpoint", "shard")
 
 
 def shard(
-    src: Annotated[Path, typer.Argument(help="Diffusers folder (sharded safetensors + index) or single-file checkpoint.",
-                                        show_default=False)],
+    src: Annotated[Path, typer.Argument(
+        help="Diffusers folder (sharded safetensors + index) or single-file checkpoint.", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="Output shard directory (written atomically; a rerun resumes).",
                                         show_default=False)],
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Convert to this dtype (bfloat16, float16, float8_e4m3fn).",
-                                                 show_default=False)] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="Convert to this dtype (bfloat16, float16, float8_e4m3fn).", show_default=False)] = None,
 ) -> None:
     """Convert a checkpoint into per-unit shards the engine streams from disk (lazy_load)."""
     if not src.exists():

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from jobs.client import JobsClient
 
 
-
 def submit(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)],
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Print the job id and return at once.")] = False,
@@ -56,7 +55,8 @@ def attach(client: JobsClient, job_id: str, name: str | None, logs_to_stderr: bo
     from jobs._cli.follow import ProgressLine, follow_job
 
     try:
-        with ProgressLine(job_id, name) as progress:
+        # With --json the log goes to stderr, where a live line would garble it.
+        with ProgressLine(job_id, name, live=False if logs_to_stderr else None) as progress:
             final = follow_job(client, job_id, on_status=progress.update,
                                out=sys.stderr if logs_to_stderr else None)
     except KeyboardInterrupt:

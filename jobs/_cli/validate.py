@@ -14,7 +14,8 @@ from jobs._cli.specfile import SETS_HELP
 def validate(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)],
     sets: Annotated[Optional[list[str]], typer.Option("--set", help=SETS_HELP, metavar="KEY=VALUE")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print {ok, kind, name} or {ok, field, line, error}.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print {ok, kind, name} or {ok, field, line, error}.")] = False,
 ) -> None:
     """Validate a job spec: prints "ok" (exit 0) or the offending field (exit 2)."""
     from jobs._cli.specfile import read_spec

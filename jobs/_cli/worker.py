@@ -18,16 +18,18 @@ HOME_HELP = "State dir (default $OFFLOAD_JOBS_HOME or ~/.offload-jobs)."
 HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on.")]
 PortOpt = Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on.")]
 HomeOpt = Annotated[Optional[Path], typer.Option("--home", help=HOME_HELP, show_default=False)]
-ComposeFileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Compose file (default: compose.yaml here).",
-                                                        show_default=False)]
+ComposeFileOpt = Annotated[Optional[Path], typer.Option(
+    "--file", "-f", help="Compose file (default: compose.yaml here).", show_default=False)]
+COMPOSE_FILES = ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")
 
 
 def worker(
     host: HostOpt = DEFAULT_HOST,
     port: PortOpt = DEFAULT_PORT,
     home: HomeOpt = None,
-    max_cpu_jobs: Annotated[Optional[int], typer.Option("--max-cpu-jobs", min=1, show_default=False,
-                                                        help="Jobs that need no GPU run this many at once (default 4).")] = None,
+    max_cpu_jobs: Annotated[Optional[int], typer.Option(
+        "--max-cpu-jobs", min=1, show_default=False, help="Jobs that need no GPU run this many at once (default 4).")
+    ] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", min=0, show_default=False,
                                                 help="GPUs to schedule (default: detected).")] = None,
     log_level: Annotated[Optional[str], typer.Option("--log-level", show_default=False,
@@ -42,7 +44,8 @@ def worker(
 
 
 def up(
-    local: Annotated[bool, typer.Option("--local", help="Start a worker process here instead of `docker compose`.")] = False,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Start a worker process here instead of `docker compose`.")] = False,
     host: HostOpt = DEFAULT_HOST,
     port: PortOpt = DEFAULT_PORT,
     home: HomeOpt = None,
@@ -100,7 +103,7 @@ def _compose(args: list[str], file: Path | None) -> None:
         if not file.exists():
             raise CliError(f"{file}: no such compose file")
         cmd += ["-f", str(file)]
-    elif not any(Path(n).exists() for n in ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")):
+    elif not any(Path(n).exists() for n in COMPOSE_FILES):
         raise CliError("no compose.yaml in this directory; run from the offload-jobs checkout, or pass --file")
     code = subprocess.call(cmd + args)
     if code != 0:
