@@ -178,32 +178,35 @@ def test_submit_bad_spec_is_refused_before_the_worker(cli: CLI, api: JobsClient,
 def test_ctrl_c_during_submit_detaches(cli: CLI, api: JobsClient, tmp_path: Path) -> None:
     spec = write_spec(tmp_path, "echo started; sleep 60", name="ctrlc")
     proc = cli.popen("submit", str(spec))
-    stderr_lines: list[str] = []
-    reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)
-    reader.start()
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, acc=acc: acc.extend(s), daemon=True)
+               for s, acc in ((proc.stdout, out), (proc.stderr, err))]
+    for r in readers:
+        r.start()
+    job_id = None
     try:
-        # Wait until the job runs and its first line was streamed.
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert "starting" in first or "started" in first
-        while "started" not in first:
-            first = proc.stdout.readline()
-            assert first, "stream ended early"
+        deadline = time.monotonic() + 30
+        while "started\n" not in out:  # the job runs and its log is being streamed
+            assert proc.poll() is None and time.monotonic() < deadline, ("".join(out), "".join(err))
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         proc.wait(15)
-        reader.join(5)
-        err = "".join(stderr_lines)
-        job_id = re.search(r"submitted job (\S+)", err).group(1)
-        assert f"offload-jobs logs -f {job_id}" in err
-        assert "Traceback" not in err
+        for r in readers:
+            r.join(5)
+        text = "".join(err)
+        job_id = re.search(r"submitted job (\S+)", text).group(1)
+        assert f"offload-jobs logs -f {job_id}" in text
+        assert "Traceback" not in text
         assert proc.returncode == 130
         time.sleep(0.5)
         assert api.get(job_id)["status"] == "RUNNING"  # detached, not cancelled
     finally:
         if proc.poll() is None:
             proc.kill()
-    api.cancel(job_id)
-    wait_status(api, job_id, TERMINAL)
+        if job_id is not None:
+            api.cancel(job_id)
+            wait_status(api, job_id, TERMINAL)
 
 
 # ------------------------------------------------------------------ logs
@@ -257,9 +260,9 @@ def test_retry_runs_a_new_attempt(cli: CLI, api: JobsClient, tmp_path: Path) -> 
     res = cli("retry", job_id)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(job_id)
-    job = wait_status(api, job_id, {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=30)
-    job = wait_status(api, job_id, {"SUCCEEDED"}, timeout=30) if job["status"] != "SUCCEEDED" else job
-    assert job["attempt"] == 2
+    assert api.get(job_id)["status"] not in TERMINAL  # queued again before `retry` returned
+    job = wait_status(api, job_id, TERMINAL, timeout=30)
+    assert (job["status"], job["attempt"]) == ("SUCCEEDED", 2)
     assert "second-attempt" in cli("logs", job_id).stdout
 
 
