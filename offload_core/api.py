@@ -117,7 +117,7 @@ def enable_offload(model: nn.Module, config: OffloadConfig | dict | None = None,
     stream_trainable = cfg.enable_optimizer_cpu_offload
     handle = OffloadHandle(OffloadEngine(model, cfg, stream_trainable=stream_trainable))
     if cfg.enable_optimizer_cpu_offload:
-        from .training import OptimizerOffload
+        from .optim_offload import OptimizerOffload
 
         handle.trainer = OptimizerOffload(handle.engine, optimizer=cfg.extra.get("optimizer"))
     return handle

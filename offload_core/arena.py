@@ -8,6 +8,8 @@ Registration failing (or no CUDA at all) falls back to pageable memory, which is
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 
@@ -118,3 +120,19 @@ def pinned_empty(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
 def unregister(buf: torch.Tensor) -> None:
     if torch.cuda.is_available():
         torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+def trim_host_heap() -> None:
+    """Hand freed heap pages back to the OS.
+
+    Tensors under glibc's (dynamic, up to 32 MB) mmap threshold live on the heap; once they are
+    packed into the arena and freed, glibc keeps their pages, and the process would hold the
+    weights twice. malloc_trim returns them.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -62,6 +62,10 @@ class OffloadConfig:
     num_disk_workers: int = 2
     max_memory: int | str | None = None
     enable_optimizer_cpu_offload: bool = False
+    # With optimizer offload: step each parameter on the CPU as soon as its gradient lands,
+    # overlapping the rest of backward (needs the optimizer; incompatible with grad clipping).
+    overlap_optimizer_step: bool = False
+    gradient_accumulation_steps: int = 1
     weight_dtype: str | None = None
     # Units bigger than this many MB (of bytes) are split into their children.
     split_threshold_mb: float | None = None
@@ -89,6 +93,12 @@ class OffloadConfig:
         self.max_memory = parse_bytes(self.max_memory, key="max_memory")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise OffloadConfigError(f"prefetch: must be a whole number >= 0, got {self.prefetch!r}")
+        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
+            raise OffloadConfigError(
+                f"gradient_accumulation_steps: must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"
+            )
+        if self.overlap_optimizer_step and not self.enable_optimizer_cpu_offload:
+            raise OffloadConfigError("overlap_optimizer_step: needs enable_optimizer_cpu_offload=True")
         if self.num_disk_workers < 1:
             raise OffloadConfigError(f"num_disk_workers: must be >= 1, got {self.num_disk_workers!r}")
         if self.split_threshold_mb is not None and self.split_threshold_mb <= 0:

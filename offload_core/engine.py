@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .arena import PinnedArena
+from .arena import PinnedArena, trim_host_heap
 from .config import OffloadConfig
 from .errors import DeviceUnavailableError, NotAModuleError
 from .planner import plan_residency
@@ -105,6 +105,7 @@ class OffloadEngine:
 
         self.arena = PinnedArena(self.streamed, pin=self.is_cuda and config.cpu_offload)
         self._pack()
+        trim_host_heap()
         self.arena.pin()
         self._bound: dict[int, list] = {}
         self._depth: dict[int, int] = {}
