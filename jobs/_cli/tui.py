@@ -31,9 +31,15 @@ def _find_tui() -> Callable[..., Any] | None:
         raise
     main = getattr(mod, "main", None) or getattr(mod, "run", None)
     if callable(main):
-        accepts = inspect.signature(main).parameters
-        return (lambda read_only: main(read_only=read_only)) if "read_only" in accepts else (lambda read_only: main())
+        takes_read_only = "read_only" in inspect.signature(main).parameters
+        return (lambda read_only: main(read_only=read_only)) if takes_read_only else (lambda read_only: main())
     app = getattr(mod, "app", None)
     if app is not None and hasattr(app, "run"):
         return lambda read_only: app.run()
+    # Else the first Textual-style App class the module defines.
+    for value in vars(mod).values():
+        if inspect.isclass(value) and value.__module__ == mod.__name__ and value.__name__.endswith("App") \
+                and hasattr(value, "run"):
+            takes_read_only = "read_only" in inspect.signature(value).parameters
+            return lambda read_only, cls=value: (cls(read_only=read_only) if takes_read_only else cls()).run()
     return None

@@ -197,6 +197,19 @@ def test_tui_placeholder(runner: CliRunner) -> None:
         pytest.skip("the TUI exists now")
 
 
+def test_tui_launches_the_app_once_it_exists(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    launched: list[bool] = []
+    fake = types.ModuleType("tui.app")
+    fake.main = lambda read_only=False: launched.append(read_only)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tui.app", fake)
+    result = runner.invoke(app, ["tui", "--read-only"])
+    assert result.exit_code == 0, result.output
+    assert launched == [True]
+
+
 def test_shard_missing_source(runner: CliRunner, tmp_path: Path) -> None:
     line = one_error_line(runner.invoke(app, ["shard", str(tmp_path / "none"), str(tmp_path / "dst")]))
     assert "none" in line and "no such file" in line
