@@ -81,6 +81,9 @@ class OffloadHandle:
             for info, u in zip(out["units"], e.units):
                 info.update({f"{k}_ms": v for k, v in e.timing.per_unit_ms.get(u.uid, {}).items()})
         timed_bytes = c.h2d_bytes if e.timing is not None else 0
+        if e.timing is not None and e.timing.counts.get("cycle"):
+            out["measured_cycle_ms"] = e.timing.total_ms["cycle"] / e.timing.counts["cycle"]
+            out["predicted_cycle_ms"] = self._predict()
         out["h2d_ms"] = h2d_ms
         out["stall_ms"] = stall_ms
         out["compute_ms"] = compute_ms
@@ -88,6 +91,26 @@ class OffloadHandle:
         if self.trainer is not None:
             out.update(self.trainer.stats())
         return out
+
+    def _predict(self) -> float:
+        """The planner's model of one cycle, from measured per-unit compute and copy times."""
+        from .planner import simulate
+
+        e = self.engine
+        per = e.timing.per_unit_ms
+        counts = {u.uid: max(e.counters.steps, 1) for u in e.units}
+        compute = {uid: per[uid].get("compute", 0.0) / counts[uid] for uid in counts if uid in per}
+        bw = self._copy_bandwidth()
+        copy = {u.uid: u.store_nbytes / bw * 1e3 for u in e.streamed} if bw else {}
+        trace = e.schedule.trace or [u.uid for u in e.streamed]
+        uses = {uid: trace.count(uid) for uid in set(trace)}
+        compute = {uid: ms / uses.get(uid, 1) for uid, ms in compute.items()}
+        return simulate(trace, {u.uid for u in e.streamed}, compute, copy, len(e.ring.slots), e.config.prefetch)
+
+    def _copy_bandwidth(self) -> float:
+        e = self.engine
+        ms = e.timing.total_ms.get("h2d", 0.0)
+        return e.counters.h2d_bytes / (ms / 1e3) if ms > 0 else 0.0
 
     def reset_stats(self) -> None:
         e = self.engine

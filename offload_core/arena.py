@@ -35,25 +35,25 @@ class PinnedArena:
         groups: list[list[Unit]] = [[]]
         size = 0
         for u in units:
-            if groups[-1] and size + u.nbytes > chunk_bytes:
+            if groups[-1] and size + u.store_nbytes > chunk_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append(u)
-            size += u.nbytes
+            size += u.store_nbytes
         self.used_bytes = 0
         self.capacity_bytes = 0
         for group in groups:
             if not group:
                 continue
-            total = sum(u.nbytes for u in group)
+            total = sum(u.store_nbytes for u in group)
             raw = torch.empty(total + _PAGE, dtype=torch.uint8)
             # Page-align the start so registration covers exactly our bytes.
             skew = (-raw.data_ptr()) % _PAGE
             buf = raw[skew: skew + total]
             off = 0
             for u in group:
-                self._slabs[u.uid] = buf[off: off + u.nbytes]
-                off += u.nbytes
+                self._slabs[u.uid] = buf[off: off + u.store_nbytes]
+                off += u.store_nbytes
             self._chunks.append(buf)
             self._registered.append(False)
             self.used_bytes += total
@@ -64,10 +64,10 @@ class PinnedArena:
         return self._slabs[uid]
 
     def view(self, unit: Unit, index: int) -> torch.Tensor:
-        """The host master of one tensor of a unit, typed and shaped."""
+        """The host master of one tensor of a unit, typed (in its storage dtype) and shaped."""
         t = unit.tensors[index]
-        raw = self._slabs[unit.uid][t.offset: t.offset + t.nbytes]
-        return raw.view(t.dtype).view(t.shape)
+        raw = self._slabs[unit.uid][t.store_offset: t.store_offset + t.store_nbytes]
+        return raw.view(t.store_dtype or t.dtype).view(t.shape)
 
     def pin(self) -> bool:
         """Register every buffer with CUDA. Returns whether all of them are pinned."""
@@ -102,7 +102,7 @@ class PinnedArena:
     @staticmethod
     def slack_bytes(units: list[Unit]) -> int:
         """Alignment padding the layout adds on top of the raw tensor bytes."""
-        return sum(u.nbytes - sum(t.nbytes for t in u.tensors) for u in units) + ALIGN
+        return sum(u.store_nbytes - sum(t.store_nbytes for t in u.tensors) for u in units) + ALIGN
 
 
 def pinned_empty(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:

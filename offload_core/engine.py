@@ -29,6 +29,7 @@ from .arena import PinnedArena, trim_host_heap
 from .config import OffloadConfig
 from .errors import DeviceUnavailableError, NotAModuleError
 from .planner import plan_residency
+from .quant import eligible, quantize, storage_dtype, widen
 from .schedule import Schedule
 from .slots import Slot, SlotRing
 from .stats import Counters, TimingLog
@@ -87,12 +88,20 @@ class OffloadEngine:
         self._cycle_callbacks: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._cycle_start: Any = None
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable)
         self.units: list[Unit] = self.plan.units
         self.prediction = plan_residency(self.units, config)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
+        store = storage_dtype(config.weight_dtype)
+        if store is not None:
+            for u in self.streamed:
+                for ts in u.tensors:
+                    if eligible(ts.tensor(), store):
+                        ts.store_dtype = store
+                u.layout()
 
         # Resident tensors: moved once. Streamed ones: packed, then placeholders.
         self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
@@ -115,9 +124,16 @@ class OffloadEngine:
         slots = max(config.prefetch + 1, 2) if self.streamed else 0
         self.ring = SlotRing(slot_bytes, slots, self.device)
         self.schedule = Schedule(config.prefetch)
+        # Units stored in another dtype land in a raw buffer and are widened into their slot;
+        # two raw buffers let the next copy overlap the current widening.
+        raw_bytes = max((u.store_nbytes for u in self.streamed if u.converted), default=0)
+        self._raw = [torch.empty(raw_bytes, dtype=torch.uint8, device=self.device) for _ in range(2 if raw_bytes else 0)]
+        self._raw_free: list[Any] = [None, None]
+        self._raw_turn = 0
         if self.use_streams:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
+            self.convert_stream = torch.cuda.Stream(self.device) if raw_bytes else None
         self._install_hooks()
         self.setup_seconds = time.perf_counter() - t0
 
@@ -153,7 +169,11 @@ class OffloadEngine:
             for i, ts in enumerate(u.tensors):
                 obj = ts.tensor()
                 with torch.no_grad():
-                    self.arena.view(u, i).copy_(obj.data)
+                    if ts.store_dtype is not None:
+                        q, ts.scale = quantize(obj.data, ts.store_dtype)
+                        self.arena.view(u, i).copy_(q)
+                    else:
+                        self.arena.view(u, i).copy_(obj.data)
                 obj.data = self.placeholder_for(ts, obj)
 
     def _install_hooks(self) -> None:
@@ -172,6 +192,12 @@ class OffloadEngine:
         self._root_depth += 1
         if self._root_depth > 1:
             return
+        if self.timing is not None:
+            ev = self.timing.event()
+            ev.record(torch.cuda.current_stream(self.device))
+            if self._cycle_start is not None:
+                self.timing.add("cycle", -1, self._cycle_start, ev)
+            self._cycle_start = ev
         with self._lock:
             self.counters.steps += 1
             self.schedule.start_cycle()
@@ -262,7 +288,7 @@ class OffloadEngine:
                 self.d2h_stream.wait_event(ev)
                 with torch.cuda.stream(self.d2h_stream):
                     for ts, view in dirty:
-                        slab[ts.offset: ts.offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8), non_blocking=True)
+                        slab[ts.store_offset: ts.store_offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8), non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self.d2h_stream)
                 self._writeback[u.uid] = done
@@ -271,7 +297,7 @@ class OffloadEngine:
                     slot.done.append(done)
             else:
                 for ts, view in dirty:
-                    slab[ts.offset: ts.offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8))
+                    slab[ts.store_offset: ts.store_offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8))
             for ts, _ in dirty:
                 self.counters.d2h_bytes += ts.nbytes
                 self.counters.d2h_count += 1
@@ -350,36 +376,68 @@ class OffloadEngine:
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1
         src = self.arena.slab(u.uid)
-        dst = slot.buf[: u.nbytes]
         if self.use_streams:
             h2d = self.h2d_stream
             freed = torch.cuda.Event()
             freed.record(torch.cuda.current_stream(self.device))
-            h2d.wait_event(freed)
+            # Whatever overwrites the slot waits for the kernels queued against its old owner.
+            writer = self.convert_stream if u.converted else h2d
+            writer.wait_event(freed)
             for ev in slot.done:
-                h2d.wait_event(ev)
+                writer.wait_event(ev)
             slot.done = []
             wb = self._writeback.pop(u.uid, None)
             if wb is not None:
                 h2d.wait_event(wb)
+            if u.converted:
+                b = self._raw_turn
+                self._raw_turn ^= 1
+                if self._raw_free[b] is not None:
+                    h2d.wait_event(self._raw_free[b])
+                dst = self._raw[b][: u.store_nbytes]
+            else:
+                dst = slot.buf[: u.nbytes]
             with torch.cuda.stream(h2d):
                 if self.timing is not None:
                     a = self.timing.event()
                     a.record(h2d)
                 dst.copy_(src, non_blocking=True)
                 if self.timing is not None:
-                    b = self.timing.event()
-                    b.record(h2d)
-                    self.timing.add("h2d", u.uid, a, b)
+                    b_ev = self.timing.event()
+                    b_ev.record(h2d)
+                    self.timing.add("h2d", u.uid, a, b_ev)
                 ready = torch.cuda.Event()
                 ready.record(h2d)
+            if u.converted:
+                conv = self.convert_stream
+                conv.wait_event(ready)
+                with torch.cuda.stream(conv):
+                    self._widen(u, dst, slot)
+                    ready = torch.cuda.Event()
+                    ready.record(conv)
+                self._raw_free[b] = ready
             slot.ready = ready
         else:
-            dst.copy_(src)
+            if u.converted:
+                dst = self._raw[0][: u.store_nbytes]
+                dst.copy_(src)
+                self._widen(u, dst, slot)
+            else:
+                slot.buf[: u.nbytes].copy_(src)
             slot.ready = None
-        self.counters.h2d_bytes += u.nbytes
+        self.counters.h2d_bytes += u.store_nbytes
         self.counters.h2d_count += 1
         return slot
+
+    @staticmethod
+    def _widen(u: Unit, raw: torch.Tensor, slot: Slot) -> None:
+        for ts in u.tensors:
+            src = raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
+            dst = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
+            if ts.store_dtype is None:
+                dst.copy_(src)
+            else:
+                widen(src, ts.scale, ts.dtype, out=dst)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:
@@ -397,7 +455,9 @@ class OffloadEngine:
         self.synchronize()
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):
-                ts.tensor().data = self.arena.view(u, i).clone()
+                stored = self.arena.view(u, i)
+                # fp8-stored weights come back widened: the rounding is not undone.
+                ts.tensor().data = stored.clone() if ts.store_dtype is None else widen(stored, ts.scale, ts.dtype)
         for m, attr, is_param, dev in self._resident_moved:
             t = (m._parameters if is_param else m._buffers)[attr]
             if t is not None:

@@ -14,6 +14,7 @@ optimizer that shares its state dict; ``optimizer.step()`` then only waits for t
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Any, Callable
@@ -180,6 +181,7 @@ class OptimizerOffload:
         orig = opt.step
         self._orig_step = orig
 
+        @functools.wraps(orig)  # keeps the LR scheduler's marker on step
         def step(*args: Any, **kwargs: Any) -> Any:
             self.worker.wait()
             # Parameters the worker already stepped must not be stepped twice.

@@ -15,7 +15,7 @@ import math
 from .config import OffloadConfig
 from .units import Unit
 
-__all__ = ["plan_residency", "interleaved"]
+__all__ = ["plan_residency", "interleaved", "simulate"]
 
 
 def interleaved(n: int, k: int) -> list[int]:
@@ -57,3 +57,36 @@ def plan_residency(units: list[Unit], config: OffloadConfig) -> dict:
         "streamed_bytes": streamed_bytes,
         "resident_unit_bytes": total - streamed_bytes,
     }
+
+
+def simulate(trace: list[int], streamed: set[int], compute_ms: dict[int, float], copy_ms: dict[int, float],
+             slots: int, prefetch: int) -> float:
+    """Predicted time of one cycle of the trace, in ms.
+
+    One copy engine, one compute stream, ``slots`` device buffers. A unit's copy starts when the
+    copy engine is free, the unit is within ``prefetch`` uses of the compute front, and the slot it
+    takes has been released by the unit that held it ``slots`` streamed uses earlier. A unit's
+    compute starts when the previous compute ended and its copy landed.
+    """
+    copy_free = 0.0
+    comp_end = 0.0
+    ready: dict[int, float] = {}
+    released: list[float] = []  # compute-end times of streamed uses, in order
+    starts: list[float] = []  # compute-start times of every use, in order
+    for i, uid in enumerate(trace):
+        if uid in streamed:
+            gate = 0.0
+            k = len(released)
+            if k >= slots:
+                gate = released[k - slots]
+            if i - prefetch - 1 >= 0:
+                gate = max(gate, starts[i - prefetch - 1])
+            start = max(copy_free, gate)
+            copy_free = start + copy_ms.get(uid, 0.0)
+            ready[uid] = copy_free
+        begin = max(comp_end, ready.get(uid, 0.0))
+        starts.append(begin)
+        comp_end = begin + compute_ms.get(uid, 0.0)
+        if uid in streamed:
+            released.append(comp_end)
+    return comp_end

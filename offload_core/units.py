@@ -41,11 +41,19 @@ class TensorSlot:
     is_param: bool
     shape: torch.Size
     dtype: torch.dtype
-    offset: int = 0  # bytes into the unit's slab
+    offset: int = 0  # bytes into the unit's slot (compute layout)
+    store_dtype: torch.dtype | None = None  # host/transfer dtype when it differs (fp8, bf16)
+    store_offset: int = 0  # bytes into the unit's slab (storage layout)
+    scale: float | None = None  # per-tensor scale of fp8 storage
 
     @property
     def nbytes(self) -> int:
         return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def store_nbytes(self) -> int:
+        dt = self.store_dtype or self.dtype
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=dt).element_size()
 
     def tensor(self) -> torch.Tensor:
         return (self.module._parameters if self.is_param else self.module._buffers)[self.attr]
@@ -57,16 +65,22 @@ class Unit:
     name: str
     anchor: nn.Module
     tensors: list[TensorSlot] = field(default_factory=list)
-    nbytes: int = 0  # slab size, aligned
+    nbytes: int = 0  # slot bytes in the compute layout, aligned
+    store_nbytes: int = 0  # slab bytes in the storage layout (smaller with fp8)
     streamed: bool = True
     trainable: bool = False  # holds trainable params (only streamed with optimizer offload)
 
+    @property
+    def converted(self) -> bool:
+        return any(t.store_dtype is not None for t in self.tensors)
+
     def layout(self) -> None:
-        off = 0
+        off = soff = 0
         for t in self.tensors:
-            t.offset = off
+            t.offset, t.store_offset = off, soff
             off = _align(off + t.nbytes)
-        self.nbytes = off
+            soff = _align(soff + t.store_nbytes)
+        self.nbytes, self.store_nbytes = off, soff
 
 
 @dataclass

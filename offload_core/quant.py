@@ -1,0 +1,53 @@
+"""Storage dtypes: weights kept and moved in a smaller dtype, widened on the device.
+
+fp8 (``float8_e4m3fn``) uses one fp32 scale per tensor: ``w8 = (w / s).to(fp8)`` with
+``s = amax(|w|) / 448``, and is widened as ``(w8.float() * s).to(dtype)``. Every step is exact or
+one IEEE rounding, so the CPU and the GPU give the same bits, and ``fake_quantize`` builds the
+resident reference an fp8-streamed model must equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FP8_MAX", "quantize", "widen", "fake_quantize", "storage_dtype"]
+
+FP8_MAX = 448.0
+
+
+def storage_dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def quantize(w: torch.Tensor, store: torch.dtype) -> tuple[torch.Tensor, float | None]:
+    """w in the storage dtype, and its scale (fp8 only)."""
+    if store is torch.float8_e4m3fn:
+        amax = w.detach().abs().max().float().item() if w.numel() else 0.0
+        scale = amax / FP8_MAX if amax > 0 else 1.0
+        return (w.detach().float() / scale).to(store), scale
+    return w.detach().to(store), None
+
+
+def widen(stored: torch.Tensor, scale: float | None, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The compute-dtype tensor a stored one stands for (written into out when given)."""
+    if scale is None:
+        return stored.to(dtype) if out is None else out.copy_(stored)
+    wide = stored.float().mul_(scale)
+    return wide.to(dtype) if out is None else out.copy_(wide)
+
+
+def eligible(t: torch.Tensor, store: torch.dtype) -> bool:
+    """Frozen floating matrices (and conv kernels) whose dtype differs; norms and biases stay."""
+    return t.is_floating_point() and t.dim() >= 2 and not t.requires_grad and t.dtype != store
+
+
+def fake_quantize(model: nn.Module, weight_dtype: str) -> nn.Module:
+    """Round model's eligible weights through the storage dtype in place: the resident reference."""
+    store = storage_dtype(weight_dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if eligible(p, store):
+                q, s = quantize(p.data, store)
+                p.data.copy_(widen(q, s, p.dtype))
+    return model
