@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .runner import run_tuned, run_variant
     from .workloads import get_workload
 
+    t_start = time.perf_counter()
     names, only = _check(args)
     want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda") and not torch.cuda.is_available():
@@ -147,8 +148,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"    {status}")
             rows.append(row)
         del master, inputs
+        if args.json_path:  # after each workload, so a run cut short still leaves its results
+            derive(rows, metas, ceiling)
+            _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows, "partial": True})
     derive(rows, metas, ceiling)
+    meta["wall_s"] = time.perf_counter() - t_start
     return {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows}
+
+
+def _write_json(path: str, result: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(result), f, indent=1)
+    os.replace(tmp, path)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -174,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from .report import format_markdown, render
 
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(_jsonable(result), f, indent=1)
+        _write_json(args.json_path, result)
     if args.md_path:
         with open(args.md_path, "w") as f:
             f.write(format_markdown(result))

@@ -82,7 +82,11 @@ def _short_note(r: dict[str, Any]) -> str:
 
 def format_header(result: dict[str, Any]) -> list[str]:
     c = result["ceiling"]
-    lines = [f"device: {result['meta']['device_name']}  torch {result['meta']['torch']}  tiny={result['meta']['tiny']}"]
+    m = result["meta"]
+    lines = [
+        f"device: {m['device_name']}  torch {m['torch']}  diffusers {m.get('diffusers')}  accelerate {m.get('accelerate')}  "
+        f"peft {m.get('peft')}  tiny={m['tiny']}  warmup {m['warmup']}  repeats {m['repeats']}  whole run {m.get('wall_s', 0):.0f} s"
+    ]
     line = f"ceiling ({c['kind']}, {c['bytes'] / 1e9:.2f} GB x {c.get('repeats', '?')}): H2D {c['h2d_gbps']:.2f} GB/s (max {c['h2d_gbps_max']:.2f})"
     if c.get("d2h_gbps"):
         line += f", D2H {c['d2h_gbps']:.2f} GB/s, both at once {c['bidir_gbps']:.2f} GB/s"

@@ -131,6 +131,8 @@ def run_variant(
     rss0 = host_rss()
     sess: Session | None = None
     model: nn.Module | None = None
+    step = None
+    started = time.perf_counter()
     try:
         model = copy.deepcopy(master)
         if device.type == "cuda":
@@ -208,9 +210,9 @@ def run_variant(
                 sess.teardown()
             except Exception as e:
                 row.setdefault("teardown_error", f"{type(e).__name__}: {e}")
-        sess = None
-        model = None
+        sess = model = step = None  # the step closure holds the session, and so the model
         free_device(device)
+        row["wall_s"] = time.perf_counter() - started
         if device.type == "cuda":
             row["vram_after_teardown_bytes"] = torch.cuda.memory_allocated(device)
     return row
