@@ -52,7 +52,11 @@ class RunDir:
 
     def append_log(self, text: str) -> None:
         """A line from the worker itself (e.g. why an attempt could not start)."""
-        with open(self.log_file, "ab") as f:
+        with open(self.log_file, "ab+") as f:
+            if f.tell() > 0:  # a child killed mid-line must not glue its last line to ours
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    text = "\n" + text
             f.write(text.encode("utf-8", "replace"))
 
     def read_log(self, offset: int = 0, limit: int | None = None) -> tuple[int, bytes, int]:

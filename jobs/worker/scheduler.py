@@ -128,17 +128,17 @@ class Scheduler:
         except SpecError as exc:  # a spec that no longer validates (older schema)
             self._finish(job_id, number, None, "FAILED", "setup_failed", None, f"spec: {exc}")
             return
-        if not run_dir.spec_file.exists():
-            run_dir.create(job["spec"])
-        run_dir.clear_exit_report()
-        note = f"[offload-jobs] attempt {number}/{job['max_attempts']} of job {job_id} starting"
-        if number > 1 and job.get("reason"):
-            note += f" (previous attempt: {job['reason']})"
-        run_dir.append_log(note + "\n")
         gpus: list[int] = []
         if spec.gpus > 0:
             gpus, self._free_gpus = self._free_gpus[: spec.gpus], self._free_gpus[spec.gpus:]
         try:
+            if not run_dir.spec_file.exists():
+                run_dir.create(job["spec"])
+            run_dir.clear_exit_report()
+            note = f"[offload-jobs] attempt {number}/{job['max_attempts']} of job {job_id} starting"
+            if number > 1 and job.get("reason"):
+                note += f" (previous attempt: {job['reason']})"
+            run_dir.append_log(note + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
             executor = self._executor(spec.executor)
@@ -147,9 +147,15 @@ class Scheduler:
                 gpus=gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
                 job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v},
             ))
-        except SetupFailed as exc:
+        except Exception as exc:  # SetupFailed, or anything else that kept the attempt from starting
+            if not isinstance(exc, SetupFailed):
+                log.exception("could not start job %s", job_id)
+                exc = SetupFailed(f"{type(exc).__name__}: {exc}")
             self._free_gpus.extend(gpus)
-            run_dir.append_log(f"[offload-jobs] setup_failed: {exc}\n")
+            try:
+                run_dir.append_log(f"[offload-jobs] setup_failed: {exc}\n")
+            except OSError:
+                pass
             self._finish(job_id, number, spec, "FAILED", "setup_failed", None, str(exc))
             return
         r = _Running(job_id, number, spec, run_dir, executor, handle, gpus, time.monotonic())
