@@ -39,6 +39,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help=f"comma list of variants: {', '.join(ALL_VARIANTS)}")
     p.add_argument("--ceiling-gb", type=float, default=None, help="size of the pinned tensor for the H2D ceiling")
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled step per variant")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="P2's LoRA weight dtype (default bf16)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
     return p.parse_args(argv)
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     metas: dict[str, dict[str, Any]] = {}
     for name in names:
-        wl = get_workload(name, args.tiny)
+        wl = get_workload(name, args.tiny, lora_dtype=torch.bfloat16 if args.lora_dtype == "bf16" else torch.float32)
         t0 = time.perf_counter()
         master = wl.build()
         inputs = wl.make_inputs(device)

@@ -141,8 +141,10 @@ class DiTStack(nn.Module):
 LORA_TARGETS = ["q", "k", "v", "o", "fc1", "fc2"]
 
 
-def build_dit_lora(depth: int, width: int, heads: int, rank: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Frozen bf16 base plus peft LoRA on every block linear; the LoRA weights are kept in fp32."""
+def build_dit_lora(
+    depth: int, width: int, heads: int, rank: int, dtype: torch.dtype, lora_dtype: torch.dtype, seed: int = 0
+) -> nn.Module:
+    """Frozen base in `dtype` plus peft LoRA on every block linear, its weights in `lora_dtype`."""
     from peft import LoraConfig, inject_adapter_in_model
 
     with torch.device("meta"):
@@ -154,8 +156,8 @@ def build_dit_lora(depth: int, width: int, heads: int, rank: int, dtype: torch.d
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                # fp32 adapters (peft casts them to the base dtype); B nonzero so LoRA shapes the first loss.
-                p.data = (torch.randn(p.shape, generator=gen) * 0.01).float()
+                # B nonzero too, so LoRA shapes the very first loss.
+                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(lora_dtype)
                 p.requires_grad_(True)
     return model.train()
 

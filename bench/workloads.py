@@ -112,7 +112,9 @@ def _flux(tiny: bool) -> Workload:
 # ---- P2: LoRA training with checkpointing -----------------------------------------------------
 
 
-def _lora(tiny: bool) -> Workload:
+def _lora(tiny: bool, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
+    # bf16 adapters by default: fp32 ones make peft cast every adapted input to fp32 and back,
+    # which slows the resident step and so hides the copies behind a slower floor.
     depth, width, heads, rank, tokens = (2, 256, 4, 8, 64) if tiny else (24, 3072, 24, 32, 4096)
 
     def make_inputs(device: torch.device) -> dict[str, torch.Tensor]:
@@ -123,14 +125,17 @@ def _lora(tiny: bool) -> Workload:
 
     return Workload(
         name="p2",
-        title=f"LoRA r{rank} training, {depth} blocks x {width}, tokens (1,{tokens},{width}), bf16, checkpointed",
+        title=(
+            f"LoRA r{rank} ({str(lora_dtype).removeprefix('torch.')}) training, {depth} blocks x {width}, "
+            f"tokens (1,{tokens},{width}), bf16, checkpointed"
+        ),
         train=True,
-        build=lambda: build_dit_lora(depth, width, heads, rank, torch.bfloat16),
+        build=lambda: build_dit_lora(depth, width, heads, rank, torch.bfloat16, lora_dtype),
         make_inputs=make_inputs,
         h2d_crossings=2,
         lr=1e-4,
         floor_note="frozen weights cross twice per step: forward, then the recompute that backward shares",
-        info={"depth": depth, "width": width, "heads": heads, "lora_rank": rank, "lora_dtype": "float32", "tokens": tokens},
+        info={"depth": depth, "width": width, "heads": heads, "lora_rank": rank, "lora_dtype": str(lora_dtype).removeprefix("torch."), "tokens": tokens},
     )
 
 
@@ -169,5 +174,7 @@ def _toy(tiny: bool) -> Workload:
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {"p1": _flux, "p2": _lora, "p3": _toy}
 
 
-def get_workload(name: str, tiny: bool) -> Workload:
+def get_workload(name: str, tiny: bool, *, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
+    if name == "p2":
+        return _lora(tiny, lora_dtype)
     return WORKLOADS[name](tiny)
