@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["main"]
 
 ALL_VARIANTS = [
-    "resident", "resident-repeat", "ours", "ours-tuned", "ours-budget50", "ours-fp8", "serial-hooks",
+    "resident", "resident-repeat", "ours", "ours-tuned", "ours-budget50", "ours-fp8", "ours-overlap", "serial-hooks",
     "diffusers-leaf", "diffusers-block", "accelerate",
 ]
 

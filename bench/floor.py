@@ -24,6 +24,7 @@ TARGETS: dict[tuple[str, str], float] = {
     ("p2", "ours-tuned"): 1.10,
     ("p3", "ours"): 2.0,
     ("p3", "ours-tuned"): 2.0,
+    ("p3", "ours-overlap"): 2.0,
 }
 
 

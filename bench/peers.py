@@ -83,8 +83,10 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
         if isinstance(budget, float) and budget <= 1.0:
             # a fraction of the streamed weight bytes, resolved on this copy of the model
             run_cfg["vram_budget"] = int(budget * wl.streamed_bytes(model))
+        fused = run_cfg.pop("optimizer_fused", False)
         if wl.optimizer_offload:
-            opt = wl.make_optimizer(model)  # on the CPU master parameters, as DiffSynth does
+            # on the CPU master parameters, as DiffSynth does
+            opt = wl.make_optimizer(model, fused=fused)
             mgr = _manager(model, device, opt, run_cfg)
             remove = getattr(mgr, "remove", None) or getattr(getattr(mgr, "handle", None), "remove", lambda: None)
             return Session(model, remove, opt, mgr.stats, mgr.after_backward, run_cfg)
@@ -158,10 +160,13 @@ def variants_for(wl: Workload) -> list[Variant]:
         Variant("resident", _resident, "resident"),
         Variant("resident-repeat", _resident, "resident"),
         ours_variant("ours"),
-        Variant("ours-tuned", ours_variant("ours-tuned").setup, "ours", {"sweep": "prefetch 1-4 x block/leaf"}),
+        Variant("ours-tuned", ours_variant("ours-tuned").setup, "ours", {"sweep": "prefetch 2/4/6/8 block, 2 leaf"}),
     ]
     if wl.name == "p1":
         out += [ours_variant("ours-budget50", vram_budget=0.5), ours_variant("ours-fp8", weight_dtype="float8_e4m3fn")]
+    if wl.optimizer_offload:
+        # Each parameter stepped on the CPU (fused AdamW) as soon as its gradient lands.
+        out.append(ours_variant("ours-overlap", overlap_optimizer_step=True, optimizer_fused=True))
     if wl.train:
         out.append(ours_variant("serial-hooks", use_streams=False, prefetch=0))
     out += [
@@ -172,6 +177,8 @@ def variants_for(wl: Workload) -> list[Variant]:
     return out
 
 
+# Deeper prefetch means more slots: the units the backward pass ends on are the ones the next
+# forward starts with, so a bigger ring turns them into hits (P2), at the cost of VRAM.
 TUNE_GRID: list[dict[str, Any]] = [
-    {"prefetch": pf, "offload_granularity": g} for g in ("block", "leaf") for pf in (1, 2, 3, 4)
-]
+    {"prefetch": pf, "offload_granularity": "block"} for pf in (2, 4, 6, 8)
+] + [{"prefetch": 2, "offload_granularity": "leaf"}]

@@ -66,9 +66,9 @@ class Workload:
         out = self.forward(model, inputs)
         return F.mse_loss(out.float(), inputs["target"].float())
 
-    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def make_optimizer(self, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr)
+        return torch.optim.AdamW(params, lr=self.lr, fused=True) if fused else torch.optim.AdamW(params, lr=self.lr)
 
 
 # ---- P1: Flux inference -----------------------------------------------------------------------

@@ -82,8 +82,9 @@ class OffloadHandle:
                 info.update({f"{k}_ms": v for k, v in e.timing.per_unit_ms.get(u.uid, {}).items()})
         timed_bytes = c.h2d_bytes if e.timing is not None else 0
         if e.timing is not None and e.timing.counts.get("cycle"):
-            out["measured_cycle_ms"] = e.timing.total_ms["cycle"] / e.timing.counts["cycle"]
-            out["predicted_cycle_ms"] = self._predict()
+            # A cycle is root forward to root forward: a training step, or one inference call.
+            out["measured_step_ms"] = e.timing.total_ms["cycle"] / e.timing.counts["cycle"]
+            out["predicted_step_ms"] = self._predict()
         out["h2d_ms"] = h2d_ms
         out["stall_ms"] = stall_ms
         out["compute_ms"] = compute_ms

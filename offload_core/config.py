@@ -109,6 +109,9 @@ class OffloadConfig:
             )
         if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
             raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
+        if self.lazy_load or self.offload_to_disk:
+            # Refuse rather than quietly stream from RAM: the disk tier is its own piece of work.
+            raise OffloadConfigError("lazy_load: the disk tier is not built yet; stream from host RAM (lazy_load: false)")
 
     @classmethod
     def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":

@@ -193,11 +193,14 @@ class OffloadEngine:
         if self._root_depth > 1:
             return
         if self.timing is not None:
-            ev = self.timing.event()
-            ev.record(torch.cuda.current_stream(self.device))
+            # Each pair owns its two events: the pool recycles events once a pair is resolved.
+            stream = torch.cuda.current_stream(self.device)
             if self._cycle_start is not None:
-                self.timing.add("cycle", -1, self._cycle_start, ev)
-            self._cycle_start = ev
+                end = self.timing.event()
+                end.record(stream)
+                self.timing.add("cycle", -1, self._cycle_start, end)
+            self._cycle_start = self.timing.event()
+            self._cycle_start.record(stream)
         with self._lock:
             self.counters.steps += 1
             self.schedule.start_cycle()

@@ -1,7 +1,7 @@
 """Storage dtypes: weights kept and moved in a smaller dtype, widened on the device.
 
 fp8 (``float8_e4m3fn``) uses one fp32 scale per tensor: ``w8 = (w / s).to(fp8)`` with
-``s = amax(|w|) / 448``, and is widened as ``(w8.float() * s).to(dtype)``. Every step is exact or
+``s = amax(|w|) / 448``, and is widened as ``w8.to(dtype) * s`` (the product taken in fp32). Every step is exact or
 one IEEE rounding, so the CPU and the GPU give the same bits, and ``fake_quantize`` builds the
 resident reference an fp8-streamed model must equal bit for bit.
 """
@@ -31,10 +31,12 @@ def quantize(w: torch.Tensor, store: torch.dtype) -> tuple[torch.Tensor, float |
 
 def widen(stored: torch.Tensor, scale: float | None, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The compute-dtype tensor a stored one stands for (written into out when given)."""
-    if scale is None:
-        return stored.to(dtype) if out is None else out.copy_(stored)
-    wide = stored.float().mul_(scale)
-    return wide.to(dtype) if out is None else out.copy_(wide)
+    out = stored.to(dtype) if out is None else out.copy_(stored)
+    if scale is not None:
+        # fp8 -> dtype is exact; the multiply runs in fp32 (opmath) and rounds once to dtype, on
+        # the CPU and the GPU alike, with no fp32 temporary the size of the weight.
+        out.mul_(scale)
+    return out
 
 
 def eligible(t: torch.Tensor, store: torch.dtype) -> bool:

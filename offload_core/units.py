@@ -93,6 +93,9 @@ class UnitPlan:
         return (u for u in self.units if u.streamed)
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _direct_tensors(m: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
     for n, p in m._parameters.items():
         if p is not None:
@@ -154,11 +157,22 @@ def discover_units(
     resident: list[tuple[nn.Module, str, bool]] = []
     units: list[Unit] = []
     names = {m: n for n, m in model.named_modules()}
+    parents: dict[int, nn.Module] = {}
+    for m in model.modules():
+        for c in m.children():
+            parents.setdefault(id(c), m)
+
+    def callable_anchor(m: nn.Module) -> nn.Module:
+        # Containers are never called: their tensors are used inside an ancestor's forward.
+        while isinstance(m, _CONTAINERS) and id(m) in parents:
+            m = parents[id(m)]
+        return m
 
     def keep_resident(tid: int) -> bool:
         return len({id(h[0]) for h in holders[tid]}) > 1 or tid in aliased
 
     def add_unit(anchor: nn.Module, modules: list[nn.Module], label: str) -> None:
+        anchor = callable_anchor(anchor)
         unit = Unit(uid=len(units), name=label, anchor=anchor)
         for m in modules:
             for n, t, is_param in _direct_tensors(m):
@@ -183,7 +197,11 @@ def discover_units(
                 add_unit(m, [m], names.get(m, "") or "<root>")
 
     def subtree_unit(m: nn.Module) -> None:
-        if split_threshold_bytes is not None and _subtree_bytes(m) > split_threshold_bytes:
+        if isinstance(m, _CONTAINERS):
+            add_unit(m, [m], (names.get(m, "") or "<root>") + ":own")
+            for child in m.children():
+                subtree_unit(child)
+        elif split_threshold_bytes is not None and _subtree_bytes(m) > split_threshold_bytes:
             split(m)
         else:
             add_unit(m, list(m.modules()), names.get(m, "") or "<root>")
