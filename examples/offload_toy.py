@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,9 @@ def train(model: nn.Module, device: str, steps: int, batch: int, offload: bool) 
         torch.cuda.reset_peak_memory_stats()
     width = model.layers[0].in_features
     loss = torch.zeros(())
+    # Under offload-jobs, a job reports per-step metrics to this file (the TUI and `show` read it).
+    metrics_path = os.environ.get("OFFLOAD_JOBS_METRICS")
+    metrics = open(metrics_path, "a") if metrics_path else None
     for step in tqdm(range(steps), desc="offloaded" if offload else "resident"):
         g = torch.Generator(device=device).manual_seed(step)
         x = torch.randn(batch, width, device=device, generator=g)
@@ -52,6 +57,17 @@ def train(model: nn.Module, device: str, steps: int, batch: int, offload: bool) 
             manager.after_backward()
         optimizer.step()
         optimizer.zero_grad()
+        if metrics is not None:
+            row = {"step": step + 1, "total_steps": steps, "loss": float(loss), "phase": "offloaded" if offload else "resident"}
+            if manager is not None:
+                st = manager.stats()
+                row.update({k: st[k] for k in ("vram_allocated_bytes", "vram_peak_bytes", "pinned_capacity_bytes",
+                                               "pinned_used_bytes", "h2d_bytes", "d2h_bytes", "cache_hits",
+                                               "cache_misses", "h2d_gbps", "stall_ms", "prefetch_misses")})
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+    if metrics is not None:
+        metrics.close()
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if manager is not None:
         manager.remove()

@@ -23,4 +23,8 @@ def read_spec(path: Path, sets: list[str] | None) -> JobSpec:
         raise CliError(f"{path}: is a directory, not a YAML spec file")
     from jobs.spec import load_spec  # pydantic + yaml: only for the verbs that read specs
 
-    return load_spec(path, sets or None)
+    spec = load_spec(path, sets or None)
+    # A relative workdir means "next to the spec file": the worker may run anywhere.
+    if spec.workdir and not Path(spec.workdir).expanduser().is_absolute():
+        spec.workdir = str((path.parent / spec.workdir).resolve())
+    return spec

@@ -1,0 +1,1 @@
+"""tui: the Textual dashboard on the jobs client API (never imports torch). Not built yet."""
