@@ -1,0 +1,114 @@
+"""Bad input gives a named exception with a clear message at setup, and leaves the model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_core import OffloadTrainingManager, enable_offload
+from offload_core.errors import (
+    DeviceUnavailableError,
+    NotAModuleError,
+    OffloadConfigError,
+    OffloadError,
+    OptimizerMismatchError,
+)
+from offload_core_test_models import CASES, assert_bitwise, assert_state_equal, hook_counts, infer, snapshot
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+def _assert_untouched(model: torch.nn.Module, before: dict, hooks: dict) -> None:
+    # A failed setup leaves no hooks and no placeholders behind, and the model still runs.
+    assert hook_counts(model) == hooks, "a failed setup left hooks on the model"
+    assert_state_equal(before, model, "weights after a failed setup")
+
+
+@pytest.mark.parametrize("thing", ["not a module", None, 42, torch.zeros(3), [torch.nn.Linear(2, 2)]],
+                         ids=["str", "None", "int", "tensor", "list"])
+def test_not_a_module(thing: object) -> None:
+    with pytest.raises(NotAModuleError) as info:
+        enable_offload(thing, target_device="cpu")
+    assert str(info.value).strip(), "empty message"
+    assert isinstance(info.value, OffloadError)
+
+
+def test_manager_not_a_module() -> None:
+    with pytest.raises(NotAModuleError):
+        OffloadTrainingManager("not a module", target_device="cpu")
+
+
+def test_unknown_granularity_names_the_field() -> None:
+    model = CASES["toy"].build("frozen")
+    before, hooks = snapshot(model), hook_counts(model)
+    with pytest.raises(OffloadConfigError, match="offload_granularity"):
+        enable_offload(model, target_device="cpu", offload_granularity="diagonal")
+    _assert_untouched(model, before, hooks)
+
+
+def test_unknown_override_key_names_the_key() -> None:
+    model = CASES["toy"].build("frozen")
+    with pytest.raises(OffloadConfigError, match="offload_granularty"):
+        enable_offload(model, target_device="cpu", offload_granularty="leaf")
+
+
+@pytest.mark.parametrize("key,value", [("prefetch", -1), ("offload_ratio", 1.5), ("vram_budget", "lots")])
+def test_bad_values_name_the_field(key: str, value: object) -> None:
+    model = CASES["toy"].build("frozen")
+    with pytest.raises(OffloadConfigError, match=key):
+        enable_offload(model, target_device="cpu", **{key: value})
+
+
+@NO_CUDA
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_missing_cuda_device(device: str) -> None:
+    case = CASES["toy"]
+    model = case.build("frozen")
+    before, hooks = snapshot(model), hook_counts(model)
+    with pytest.raises(DeviceUnavailableError) as info:
+        enable_offload(model, target_device=device)
+    assert "cuda" in str(info.value).lower()
+    _assert_untouched(model, before, hooks)
+    infer(case, model, seeds=(0,))
+
+
+@NO_CUDA
+def test_manager_missing_cuda_device() -> None:
+    model = CASES["toy"].build("full")
+    with pytest.raises(DeviceUnavailableError):
+        OffloadTrainingManager(model, target_device="cuda")
+
+
+def test_optimizer_missing_a_trainable_param_is_named() -> None:
+    case = CASES["toy"]
+    model = case.build("full")
+    left_out = "layers.3.linear.weight"
+    params = [p for n, p in model.named_parameters() if n != left_out]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    before, hooks = snapshot(model), hook_counts(model)
+    with pytest.raises(OptimizerMismatchError) as info:
+        OffloadTrainingManager(model, target_device="cpu", enable_optimizer_cpu_offload=True, optimizer=opt)
+    assert left_out in str(info.value), f"message does not name the parameter: {info.value}"
+    _assert_untouched(model, before, hooks)
+
+
+def test_lora_optimizer_missing_adapter_param_is_named() -> None:
+    case = CASES["flux"]
+    model = case.build("adapter")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    left_out = trainable[-1]
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if p.requires_grad and n != left_out], lr=1e-3)
+    with pytest.raises(OptimizerMismatchError, match=left_out.replace(".", r"\.")):
+        OffloadTrainingManager(model, target_device="cpu", enable_optimizer_cpu_offload=True, optimizer=opt)
+
+
+def test_error_at_setup_leaves_a_working_model() -> None:
+    # Same model, failed setup then a good one: results still bitwise equal to resident.
+    case = CASES["flux"]
+    ref_model = case.build("frozen")
+    model = case.build("frozen")
+    with pytest.raises(OffloadConfigError):
+        enable_offload(model, target_device="cpu", offload_granularity="diagonal")
+    handle = enable_offload(model, target_device="cpu", offload_granularity="leaf")
+    assert_bitwise(infer(case, ref_model), infer(case, model), "output after a failed then a good setup")
+    handle.remove()
