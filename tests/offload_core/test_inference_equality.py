@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from offload_core import OffloadConfig, enable_offload
 from offload_core_test_models import CASES, assert_bitwise, assert_state_equal, infer, snapshot
@@ -58,4 +59,37 @@ def test_config_object_and_serial_path() -> None:
     ref = infer(case, a)
     handle = enable_offload(b, config)
     assert_bitwise(ref, infer(case, b), "flux output")
+    handle.remove()
+
+
+@pytest.mark.parametrize("granularity", ["block", "leaf"])
+def test_inference_mode_matches_resident(granularity: str) -> None:
+    # Many users run under torch.inference_mode() rather than no_grad.
+    case = CASES["flux"]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    with torch.inference_mode():
+        ref = [case.forward(a, case.make_inputs(s)).clone() for s in (0, 1, 2)]
+    handle = enable_offload(b, target_device="cpu", offload_granularity=granularity)
+    with torch.inference_mode():
+        got = [case.forward(b, case.make_inputs(s)).clone() for s in (0, 1, 2)]
+    assert_bitwise(ref, got, "flux output under inference_mode")
+    handle.remove()
+
+
+def test_recovers_after_a_failing_forward() -> None:
+    # An exception raised by the model mid-forward must not leave units bound or the schedule stuck.
+    case = CASES["flux"]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    ref = infer(case, a)
+    handle = enable_offload(b, target_device="cpu", offload_granularity="block")
+    infer(case, b, seeds=(0,))
+    bad = case.make_inputs(0)
+    bad["encoder_hidden_states"] = torch.randn(1, 12, 31)  # wrong width: fails inside context_embedder
+    with pytest.raises(RuntimeError):
+        case.forward(b, bad)
+    assert_bitwise(ref, infer(case, b), "flux output after a failed forward")
+    for name, p in b.named_parameters():
+        assert p.data.numel() == 0, f"{name} left bound after the failed forward"
     handle.remove()

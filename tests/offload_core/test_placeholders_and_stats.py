@@ -220,3 +220,15 @@ def test_split_threshold_splits_units() -> None:
         handle.remove()
     assert counts[0.01] > counts[None], f"threshold did not split: {counts}"
     assert largest[0.01] < largest[None], f"largest streamed unit did not shrink: {largest}"
+
+
+def test_enable_remove_enable_again() -> None:
+    case = CASES["flux"]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    ref = infer(case, a)
+    for granularity in ("block", "leaf"):
+        handle = enable_offload(b, target_device="cpu", offload_granularity=granularity)
+        assert_bitwise(ref, infer(case, b), f"output with the engine installed again ({granularity})")
+        handle.remove()
+    assert_bitwise(ref, infer(case, b), "output after the second remove()")
