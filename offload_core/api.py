@@ -47,6 +47,7 @@ class OffloadHandle:
             pinned=e.arena.pinned,
             pinned_capacity_bytes=e.arena.capacity_bytes,
             pinned_used_bytes=e.arena.used_bytes,
+            host_arena_bytes=e.arena.allocated_bytes,
             weight_bytes=streamed + resident,
             streamed_bytes=streamed,
             resident_bytes=resident,

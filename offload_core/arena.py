@@ -42,6 +42,7 @@ class PinnedArena:
             size += u.store_nbytes
         self.used_bytes = 0
         self.capacity_bytes = 0
+        self.allocated_bytes = 0
         for group in groups:
             if not group:
                 continue
@@ -56,8 +57,9 @@ class PinnedArena:
                 off += u.store_nbytes
             self._chunks.append(buf)
             self._registered.append(False)
-            self.used_bytes += total
-            self.capacity_bytes += raw.numel()
+            self.used_bytes += sum(t.store_nbytes for u in group for t in u.tensors)  # data, no padding
+            self.capacity_bytes += total  # what is registered (pinned)
+            self.allocated_bytes += raw.numel()  # plus up to a page of alignment skew per buffer
         self.pinned = False
 
     def slab(self, uid: int) -> torch.Tensor:

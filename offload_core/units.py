@@ -94,6 +94,8 @@ class UnitPlan:
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+# Modules whose forward reads their children's tensors without calling the children: never split.
+ATOMIC: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 def _direct_tensors(m: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -191,9 +193,15 @@ def discover_units(
             unit.layout()
             units.append(unit)
 
-    def leaf_units(root: nn.Module) -> None:
+    def leaf_units(root: nn.Module, skip: set[int] | None = None) -> None:
+        inside: set[int] = set(skip or ())
         for m in root.modules():
-            if any(True for _ in _direct_tensors(m)):
+            if id(m) in inside:
+                continue
+            if isinstance(m, ATOMIC):
+                inside.update(id(x) for x in m.modules())
+                add_unit(m, list(m.modules()), names.get(m, "") or "<root>")
+            elif any(True for _ in _direct_tensors(m)):
                 add_unit(m, [m], names.get(m, "") or "<root>")
 
     def subtree_unit(m: nn.Module) -> None:
@@ -201,7 +209,8 @@ def discover_units(
             add_unit(m, [m], (names.get(m, "") or "<root>") + ":own")
             for child in m.children():
                 subtree_unit(child)
-        elif split_threshold_bytes is not None and _subtree_bytes(m) > split_threshold_bytes:
+        elif (split_threshold_bytes is not None and _subtree_bytes(m) > split_threshold_bytes
+              and not isinstance(m, ATOMIC)):
             split(m)
         else:
             add_unit(m, list(m.modules()), names.get(m, "") or "<root>")
@@ -233,7 +242,5 @@ def discover_units(
                     add_unit(block, [block], names[block] + ":own")
                     for child in block.children():
                         subtree_unit(child)
-        for m in model.modules():
-            if id(m) not in in_block and any(True for _ in _direct_tensors(m)):
-                add_unit(m, [m], names.get(m, "") or "<root>")
+        leaf_units(model, skip=in_block)
     return UnitPlan(units=units, resident=resident, block_lists=[n for n, _ in block_lists])
