@@ -23,6 +23,16 @@ if _NAME not in sys.modules:
     _spec.loader.exec_module(_module)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread() -> Iterator[None]:
+    # The models are tiny: with several OpenMP threads on a shared 2-core machine the threads spin at
+    # barriers and the suite ran up to 9x slower (726 s vs 81 s). One thread is faster and steady.
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic() -> Iterator[None]:
     # Bitwise comparisons need the same kernels on both sides; float32 throughout.
