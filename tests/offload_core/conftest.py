@@ -23,7 +23,7 @@ if _NAME not in sys.modules:
     _spec.loader.exec_module(_module)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_intra_op_thread() -> Iterator[None]:
     # The models are tiny: with several OpenMP threads on a shared 2-core machine the threads spin at
     # barriers and the suite ran up to 9x slower (726 s vs 81 s). One thread is faster and steady.
