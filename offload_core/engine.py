@@ -252,7 +252,8 @@ class OffloadEngine:
                 # Frozen: the module sees a plain view; the Parameter keeps its placeholder, so
                 # nothing autograd or a checkpoint saves can be swapped out from under it.
                 table[ts.attr] = view
-                bound.append((ts, orig, view, view._version))
+                # Inference tensors keep no version counter: None means "ask the module".
+                bound.append((ts, orig, view, None if view.is_inference() else view._version))
         self._bound[u.uid] = bound
         if self.timing is not None:
             ev = self.timing.event()
@@ -272,8 +273,10 @@ class OffloadEngine:
                 orig.data = self._trainable_placeholder(ts.dtype, ts.shape)
             else:
                 table[ts.attr] = orig
-                if not ts.is_param and view._version != version:
-                    dirty.append((ts, view))
+                if not ts.is_param:
+                    changed = ts.module.training if version is None else view._version != version
+                    if changed:
+                        dirty.append((ts, view))
         if dirty:
             self._write_back(u, dirty)
         if self.timing is not None and u.uid in getattr(self, "_compute_start", {}):

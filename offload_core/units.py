@@ -236,7 +236,7 @@ def discover_units(
         for _, lst in block_lists:
             for block in lst.children():
                 in_block.update(id(x) for x in block.modules())
-                if g is Granularity.BLOCK:
+                if g is Granularity.BLOCK or isinstance(block, ATOMIC):
                     subtree_unit(block)
                 else:  # phase
                     add_unit(block, [block], names[block] + ":own")
