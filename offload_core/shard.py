@@ -120,11 +120,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class _Reader:
-    """Open safe_open handles (headers only until a tensor is asked for); errors name the file."""
+    """safe_open handles, opened as needed; errors name the file.
 
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        self._stack = stack
+    `close()` after each output file unmaps the sources and drops their page cache: safe_open
+    reads through mmap, so a long run would otherwise show the whole checkpoint as resident memory.
+    """
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
         self._handles: dict[Path, Any] = {}
+
+    def close(self) -> None:
+        self._stack.close()
+        for path in self._handles:
+            _drop_page_cache(path)
+        self._handles.clear()
 
     def handle(self, path: Path) -> Any:
         if path not in self._handles:
@@ -147,6 +157,7 @@ class _Reader:
                 if code not in _FROM_ST:
                     raise ShardError(f"{path}: tensor {name} has dtype {code}, which the shard format does not carry")
                 out[name] = _Tensor(name, path, _FROM_ST[code], list(f.get_slice(name).get_shape()))
+        self.close()
         return out
 
     def read(self, t: _Tensor) -> torch.Tensor:
@@ -156,6 +167,16 @@ class _Reader:
             raise
         except Exception as exc:
             raise ShardError(f"{t.file}: cannot read tensor {t.name}: {_line(exc)}") from None
+
+
+def _drop_page_cache(path: Path) -> None:
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 # ------------------------------------------------------------------ unit names
@@ -428,8 +449,8 @@ def shard_checkpoint(
         config_path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
         if not config_path.is_file():
             raise ShardError(f"{config_path}: no such config file")
-    with contextlib.ExitStack() as stack:
-        reader = _Reader(stack)
+    reader = _Reader()
+    try:
         tensors = reader.scan(files)
         model_class = None
         if config_path is not None and "_class_name" in _read_json(config_path):
@@ -479,7 +500,11 @@ def shard_checkpoint(
                     files_out[fname] = prev
                     counts["resumed"] += units_in[fname]
                 else:
-                    files_out[fname] = _write_file(path, items, reader, store)
+                    try:
+                        files_out[fname] = _write_file(path, items, reader, store)
+                    finally:
+                        reader.close()
+                    _drop_page_cache(path)
                     counts["written"] += units_in[fname]
                     counts["written_bytes"] += files_out[fname]["nbytes"]
                     _atomic_write_bytes(dst_p / PROGRESS_NAME, json.dumps(
@@ -493,6 +518,8 @@ def shard_checkpoint(
         finally:
             if bar is not None:
                 bar.close()
+    finally:
+        reader.close()
 
     def entry(fname: str, names: list[str]) -> dict[str, Any]:
         return {"file": fname, "tensors": {n: files_out[fname]["tensors"][n] for n in names}}

@@ -133,6 +133,25 @@ def test_progress_bar_goes_to_stderr(flux: tuple[Path, dict], tmp_path: Path, ca
     assert out == "" and "12/12" in err
 
 
+@pytest.mark.parametrize("dtype", [None, "float8_e4m3fn"])
+def test_streams_one_tensor_at_a_time(flux: tuple[Path, dict], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch, dtype: str | None) -> None:
+    import weakref
+
+    real_read = shard._Reader.read
+    alive: list[weakref.ref] = []
+
+    def read(self: Any, t: Any) -> torch.Tensor:
+        assert all(r() is None for r in alive), "a source tensor outlived its write"
+        x = real_read(self, t)
+        alive.append(weakref.ref(x))
+        return x
+
+    monkeypatch.setattr(shard._Reader, "read", read)
+    summary = shard_checkpoint(flux[0], tmp_path / "out", dtype=dtype, progress=False)
+    assert len(alive) == summary["tensors"] == len(flux[1])
+
+
 # ------------------------------------------------------------------ dtypes
 
 
