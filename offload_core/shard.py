@@ -97,7 +97,7 @@ def _source_files(src: Path) -> tuple[list[Path], Path | None]:
         files = [src / f for f in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
-                raise ShardError(f"{f}: listed in {index.name} but missing")
+                raise ShardSourceNotFound(f"{f}: listed in {index.name} but missing")
         return files, config
     single = src / "diffusion_pytorch_model.safetensors"
     if single.is_file():
@@ -429,95 +429,37 @@ def shard_checkpoint(
     """
     t0 = time.monotonic()
     src_p, dst_p = Path(src), Path(dst)
-    if isinstance(dtype, torch.dtype):
-        store: torch.dtype | None = dtype
-    elif dtype is None:
-        store = None
-    elif str(dtype).lower() in _TARGETS:
-        store = _TARGETS[str(dtype).lower()]
-    else:
-        raise ShardError(f"dtype: {dtype!r} is not one of bfloat16, float16, float32, float8_e4m3fn")
-    if store not in (None, *_TARGETS.values()):
-        raise ShardError(f"dtype: {store} is not one of bfloat16, float16, float32, float8_e4m3fn")
+    store = _parse_dtype(dtype)
     try:
         g = Granularity(granularity)
     except ValueError:
         raise ShardError(f"granularity: {granularity!r} is not one of leaf, block, phase, auto") from None
-
     files, config_path = _source_files(src_p)
     if config is not None:
         config_path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
         if not config_path.is_file():
             raise ShardError(f"{config_path}: no such config file")
+
     reader = _Reader()
     try:
         tensors = reader.scan(files)
+        if not tensors:
+            raise ShardError(f"{files[0]}: holds no tensors")
         model_class = None
         if config_path is not None and "_class_name" in _read_json(config_path):
             unit_of, order, block_lists, model_class = _model_units(config_path, tensors, g)
         else:
             unit_of, order, block_lists = _name_units(tensors, g)
+        layout = _Layout.build(tensors, unit_of, order, block_lists)
         resolved = g.value if g is not Granularity.AUTO else ("block" if block_lists else "leaf")
         _prepare_dst(dst_p, src_p)
-
-        # file -> its tensors; unit -> its file and tensor names, both in order of first appearance.
-        plan: dict[str, list[_Tensor]] = {}
-        units: dict[str, tuple[str, list[str]]] = {}
-        resident: list[str] = []
-        rank: dict[str | None, int] = {u: i for i, u in enumerate(order)}
-        for name, t in sorted(tensors.items(), key=lambda kv: rank.get(unit_of[kv[0]], len(rank))):
-            unit = unit_of[name]
-            block = _block_of(unit, block_lists) if unit is not None else None
-            fname = _file_name(block) if block else NON_BLOCK_FILE
-            plan.setdefault(fname, []).append(t)
-            if unit is None:
-                resident.append(name)
-            else:
-                units.setdefault(unit, (fname, []))[1].append(name)
-        plan = dict(sorted(plan.items(), key=lambda kv: kv[0] == NON_BLOCK_FILE))  # blocks first, in order
-
-        inputs = [*files, *([config_path] if config_path else [])]
-        fingerprint = {"format_version": FORMAT_VERSION, "source": str(src_p.resolve()),
-                       "inputs": {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in inputs},
-                       "dtype": None if store is None else str(store).removeprefix("torch."),
-                       "granularity": resolved}
-        done: dict[str, Any] = {}
-        with contextlib.suppress(ShardError, OSError):
-            old = _read_json(dst_p / PROGRESS_NAME)
-            if old.get("fingerprint") == fingerprint and isinstance(old.get("files"), dict):
-                done = old["files"]
-
-        units_in = {f: sum(1 for fn, _ in units.values() if fn == f) for f in plan}
-        files_out: dict[str, Any] = {}
-        counts = {"resumed": 0, "written": 0, "written_bytes": 0}
-        bar = _progress_bar(len(units), progress)
-        try:
-            for fname, items in plan.items():
-                path = dst_p / fname
-                prev = done.get(fname)
-                if (prev and path.is_file() and path.stat().st_size == prev.get("nbytes")
-                        and _file_sha256(path) == prev.get("sha256")):
-                    files_out[fname] = prev
-                    counts["resumed"] += units_in[fname]
-                else:
-                    try:
-                        files_out[fname] = _write_file(path, items, reader, store)
-                    finally:
-                        reader.close()
-                    _drop_page_cache(path)
-                    counts["written"] += units_in[fname]
-                    counts["written_bytes"] += files_out[fname]["nbytes"]
-                    _atomic_write_bytes(dst_p / PROGRESS_NAME, json.dumps(
-                        {"fingerprint": fingerprint, "files": {**done, **files_out}}).encode())
-                if bar is not None:
-                    bar.update(units_in[fname])
-                if callback is not None:
-                    callback({"files_done": len(files_out), "files_total": len(plan),
-                              "units_done": counts["resumed"] + counts["written"], "units_total": len(units),
-                              **counts})
-        finally:
-            if bar is not None:
-                bar.close()
+        fingerprint = {
+            "format_version": FORMAT_VERSION, "source": str(src_p.resolve()),
+            "inputs": {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns]
+                       for p in [*files, *([config_path] if config_path else [])]},
+            "dtype": None if store is None else str(store).removeprefix("torch."), "granularity": resolved,
+        }
+        files_out, counts = _write_all(dst_p, layout, reader, store, fingerprint, progress, callback)
     finally:
         reader.close()
 
@@ -525,26 +467,104 @@ def shard_checkpoint(
         return {"file": fname, "tensors": {n: files_out[fname]["tensors"][n] for n in names}}
 
     index: dict[str, Any] = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "source": str(src_p.resolve()),
+        "format": FORMAT, "format_version": FORMAT_VERSION, "source": fingerprint["source"],
         "dtype": fingerprint["dtype"], "granularity": resolved,
         "grouping": "model" if model_class else "names", "model_class": model_class, "block_lists": block_lists,
-        "units": {u: entry(f, names) for u, (f, names) in units.items()},
+        "units": {u: entry(f, names) for u, (f, names) in layout.units.items()},
         "files": {f: {"sha256": v["sha256"], "nbytes": v["nbytes"]} for f, v in files_out.items()},
     }
-    if resident:  # tied/shared tensors (or ones the model lacks): the engine keeps them resident
-        index["resident"] = entry(NON_BLOCK_FILE, resident)
+    if layout.resident:  # tied/shared tensors (or ones the model lacks): the engine keeps them resident
+        index["resident"] = entry(NON_BLOCK_FILE, layout.resident)
     _atomic_write_bytes(dst_p / INDEX_NAME, json.dumps(index, indent=1).encode())
-    with contextlib.suppress(OSError):  # make the renames durable
-        fd = os.open(dst_p, os.O_RDONLY)
+    _fsync_dir(dst_p)
+    if verify:
+        verify_shards(dst_p)
+    return {"index": str(dst_p / INDEX_NAME), "units": len(layout.units), "files": len(layout.files),
+            "tensors": len(tensors), "bytes": sum(v["nbytes"] for v in files_out.values()), **counts,
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    store = _TARGETS.get(str(dtype).lower()) if isinstance(dtype, str) else dtype
+    if dtype is not None and store not in _TARGETS.values():
+        raise ShardError(f"dtype: {dtype!r} is not one of bfloat16, float16, float32, float8_e4m3fn")
+    return store
+
+
+@dataclass
+class _Layout:
+    files: dict[str, list[_Tensor]]  # output file -> its tensors; blocks in order, non_block last
+    units: dict[str, tuple[str, list[str]]]  # unit -> (its file, its tensor names), in the engine's order
+    resident: list[str]  # tensors no unit streams (tied, shared, or unknown to the model)
+
+    @classmethod
+    def build(cls, tensors: dict[str, _Tensor], unit_of: dict[str, str | None], order: list[str],
+              block_lists: list[str]) -> _Layout:
+        out = cls({}, {}, [])
+        rank: dict[str | None, int] = {u: i for i, u in enumerate(order)}
+        for name, t in sorted(tensors.items(), key=lambda kv: rank.get(unit_of[kv[0]], len(rank))):
+            unit = unit_of[name]
+            block = _block_of(unit, block_lists) if unit is not None else None
+            fname = _file_name(block) if block else NON_BLOCK_FILE
+            out.files.setdefault(fname, []).append(t)
+            if unit is None:
+                out.resident.append(name)
+            else:
+                out.units.setdefault(unit, (fname, []))[1].append(name)
+        out.files = dict(sorted(out.files.items(), key=lambda kv: kv[0] == NON_BLOCK_FILE))
+        return out
+
+
+def _write_all(dst: Path, layout: _Layout, reader: _Reader, store: torch.dtype | None, fingerprint: dict[str, Any],
+               progress: bool, callback: Callable[[dict[str, Any]], None] | None,
+               ) -> tuple[dict[str, Any], dict[str, int]]:
+    """Write every file not already finished by an earlier run with the same fingerprint."""
+    done: dict[str, Any] = {}
+    with contextlib.suppress(ShardError, OSError):
+        old = _read_json(dst / PROGRESS_NAME)
+        if old.get("fingerprint") == fingerprint and isinstance(old.get("files"), dict):
+            done = old["files"]
+    units_in = {f: sum(1 for fn, _ in layout.units.values() if fn == f) for f in layout.files}
+    files_out: dict[str, Any] = {}
+    counts = {"resumed": 0, "written": 0, "written_bytes": 0}
+    bar = _progress_bar(len(layout.units), progress)
+    try:
+        for fname, items in layout.files.items():
+            path = dst / fname
+            prev = done.get(fname)
+            if (prev and path.is_file() and path.stat().st_size == prev.get("nbytes")
+                    and _file_sha256(path) == prev.get("sha256")):
+                files_out[fname] = prev
+                counts["resumed"] += units_in[fname]
+            else:
+                try:
+                    files_out[fname] = _write_file(path, items, reader, store)
+                finally:
+                    reader.close()
+                _drop_page_cache(path)
+                counts["written"] += units_in[fname]
+                counts["written_bytes"] += files_out[fname]["nbytes"]
+                _atomic_write_bytes(dst / PROGRESS_NAME, json.dumps(
+                    {"fingerprint": fingerprint, "files": {**done, **files_out}}).encode())
+            if bar is not None:
+                bar.update(units_in[fname])
+            if callback is not None:
+                callback({"files_done": len(files_out), "files_total": len(layout.files),
+                          "units_done": counts["resumed"] + counts["written"], "units_total": len(layout.units),
+                          **counts})
+    finally:
+        if bar is not None:
+            bar.close()
+    return files_out, counts
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # makes the renames durable; not every filesystem allows it
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    if verify:
-        verify_shards(dst_p)
-    return {"index": str(dst_p / INDEX_NAME), "units": len(units), "files": len(plan), "tensors": len(tensors),
-            "bytes": sum(v["nbytes"] for v in files_out.values()), **counts,
-            "seconds": round(time.monotonic() - t0, 3)}
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
@@ -566,34 +586,44 @@ def verify_shards(dst: str | os.PathLike[str]) -> None:
     index = _read_json(index_path)
     if index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
         raise ShardError(f"{index_path}: not an {FORMAT} index of version {FORMAT_VERSION}")
+    try:
+        by_file = _tensors_by_file(index)
+        for fname, want in index["files"].items():
+            _verify_file(dst_p / fname, want, by_file.get(fname, []))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ShardError(f"{index_path}: malformed ({type(exc).__name__}: {_line(exc)})") from None
+
+
+def _tensors_by_file(index: dict[str, Any]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    for entry in [*index.get("units", {}).values(), *([index["resident"]] if "resident" in index else [])]:
+    for entry in [*index["units"].values(), *([index["resident"]] if "resident" in index else [])]:
         for name, meta in entry["tensors"].items():
             by_file.setdefault(entry["file"], []).append((name, meta))
-    for fname, want in index.get("files", {}).items():
-        path = dst_p / fname
-        if not path.is_file():
-            raise ShardError(f"{path}: missing")
-        if path.stat().st_size != want["nbytes"]:
-            raise ShardError(f"{path}: {path.stat().st_size} bytes, the index says {want['nbytes']}")
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            pos = 0
-            for name, meta in sorted(by_file.get(fname, []), key=lambda nm: nm[1]["offset"]):
-                digest.update(f.read(meta["offset"] - pos))  # header (and any gap)
-                tensor_digest = hashlib.sha256()
-                left = meta["nbytes"]
-                while left:
-                    chunk = f.read(min(left, _CHUNK))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-                    digest.update(chunk)
-                    tensor_digest.update(chunk)
-                if tensor_digest.hexdigest() != meta["sha256"]:
-                    raise ShardError(f"{path}: tensor {name} does not match its sha256 in the index")
-                pos = meta["offset"] + meta["nbytes"]
-            while chunk := f.read(_CHUNK):
+    return by_file
+
+
+def _verify_file(path: Path, want: dict[str, Any], tensors: list[tuple[str, dict[str, Any]]]) -> None:
+    """Size, then one sequential read that hashes the whole file and each tensor's bytes."""
+    if not path.is_file():
+        raise ShardError(f"{path}: missing")
+    if path.stat().st_size != want["nbytes"]:
+        raise ShardError(f"{path}: {path.stat().st_size} bytes, the index says {want['nbytes']}")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        pos = 0
+        for name, meta in sorted(tensors, key=lambda nm: nm[1]["offset"]):
+            digest.update(f.read(meta["offset"] - pos))  # the header
+            tensor_digest = hashlib.sha256()
+            left = meta["nbytes"]
+            while left and (chunk := f.read(min(left, _CHUNK))):
+                left -= len(chunk)
                 digest.update(chunk)
-        if digest.hexdigest() != want["sha256"]:
-            raise ShardError(f"{path}: sha256 does not match the index")
+                tensor_digest.update(chunk)
+            if tensor_digest.hexdigest() != meta["sha256"]:
+                raise ShardError(f"{path}: tensor {name} does not match its sha256 in the index")
+            pos = meta["offset"] + meta["nbytes"]
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    _drop_page_cache(path)
+    if digest.hexdigest() != want["sha256"]:
+        raise ShardError(f"{path}: sha256 does not match the index")

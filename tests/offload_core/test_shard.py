@@ -387,6 +387,11 @@ def test_verify_catches_tampering(flux: tuple[Path, dict], tmp_path: Path) -> No
     with pytest.raises(ShardError, match="bytes") as info:
         verify_shards(dst)
     assert str(f) in str(info.value)
+    index = _index(dst)
+    del index["units"]
+    (dst / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ShardError, match="malformed"):
+        verify_shards(dst)
     (dst / "index.json").unlink()
     with pytest.raises(ShardError, match="index.json"):
         verify_shards(dst)
