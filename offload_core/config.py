@@ -62,6 +62,10 @@ class OffloadConfig:
     num_disk_workers: int = 2
     max_memory: int | str | None = None
     enable_optimizer_cpu_offload: bool = False
+    # None (auto): a model with no frozen parameter is taken as an inference model, and every
+    # weight is streamed as frozen (no gradient reaches it). False: trainable parameters stay
+    # resident (what the training manager uses). True: always stream them as frozen.
+    treat_as_inference: bool | None = None
     # With optimizer offload: step each parameter on the CPU as soon as its gradient lands,
     # overlapping the rest of backward (needs the optimizer; incompatible with grad clipping).
     overlap_optimizer_step: bool = False

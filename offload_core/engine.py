@@ -91,7 +91,12 @@ class OffloadEngine:
         self._cycle_start: Any = None
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
-        self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable)
+        all_frozen = config.treat_as_inference
+        if all_frozen is None:
+            all_frozen = not stream_trainable and not any(not p.requires_grad for p in model.parameters())
+        self.treat_as_inference = bool(all_frozen)
+        self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
+                                   all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.plan.units
         self.prediction = plan_residency(self.units, config)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
@@ -99,7 +104,7 @@ class OffloadEngine:
         if store is not None:
             for u in self.streamed:
                 for ts in u.tensors:
-                    if eligible(ts.tensor(), store):
+                    if not ts.trainable and eligible(ts.tensor(), store):
                         ts.store_dtype = store
                 u.layout()
 
@@ -160,7 +165,7 @@ class OffloadEngine:
         return one.expand(shape)
 
     def placeholder_for(self, ts: Any, obj: torch.Tensor) -> torch.Tensor:
-        if ts.is_param and obj.requires_grad:
+        if ts.trainable:
             return self._trainable_placeholder(ts.dtype, ts.shape)
         return self._placeholder(ts.dtype)
 
@@ -244,7 +249,7 @@ class OffloadEngine:
             view = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
             table = ts.module._parameters if ts.is_param else ts.module._buffers
             orig = table[ts.attr]
-            if ts.is_param and orig.requires_grad:
+            if ts.trainable:
                 # Trainable streamed params must stay the leaf autograd accumulates into.
                 orig.data = view
                 bound.append((ts, orig, None, 0))
@@ -437,13 +442,21 @@ class OffloadEngine:
 
     @staticmethod
     def _widen(u: Unit, raw: torch.Tensor, slot: Slot) -> None:
+        """Fill the slot from the raw copy: a few multi-tensor kernels per unit, not two per tensor."""
+        srcs, dsts, scaled, scales = [], [], [], []
         for ts in u.tensors:
             src = raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
             dst = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
-            if ts.store_dtype is None:
-                dst.copy_(src)
-            else:
-                widen(src, ts.scale, ts.dtype, out=dst)
+            srcs.append(src)
+            dsts.append(dst)
+            if ts.scale is not None:
+                scaled.append(dst)
+                scales.append(ts.scale)
+        torch._foreach_copy_(dsts, srcs)
+        # quant.widen's arithmetic exactly (the product in fp32, one rounding); _foreach_mul_ with
+        # a scalar list rounds differently on the CPU, so it is not used here.
+        for dst, scale in zip(scaled, scales):
+            dst.mul_(scale)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:

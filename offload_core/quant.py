@@ -40,16 +40,24 @@ def widen(stored: torch.Tensor, scale: float | None, dtype: torch.dtype, out: to
 
 
 def eligible(t: torch.Tensor, store: torch.dtype) -> bool:
-    """Frozen floating matrices (and conv kernels) whose dtype differs; norms and biases stay."""
-    return t.is_floating_point() and t.dim() >= 2 and not t.requires_grad and t.dtype != store
+    """Floating matrices (and conv kernels) whose dtype differs; norms and biases keep theirs.
+
+    The engine asks only for streamed frozen tensors; trainable ones are never stored narrower.
+    """
+    return t.is_floating_point() and t.dim() >= 2 and t.dtype != store
 
 
 def fake_quantize(model: nn.Module, weight_dtype: str) -> nn.Module:
-    """Round model's eligible weights through the storage dtype in place: the resident reference."""
+    """Round model's eligible weights through the storage dtype in place: the resident reference.
+
+    Mirrors the engine: trainable parameters are skipped, unless no parameter is frozen (an
+    inference model, whose weights the engine streams as frozen).
+    """
     store = storage_dtype(weight_dtype)
+    inference = not any(not p.requires_grad for p in model.parameters())
     with torch.no_grad():
         for p in model.parameters():
-            if eligible(p, store):
+            if (inference or not p.requires_grad) and eligible(p, store):
                 q, s = quantize(p.data, store)
                 p.data.copy_(widen(q, s, p.dtype))
     return model

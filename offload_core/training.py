@@ -38,6 +38,8 @@ class OffloadTrainingManager:
         **overrides: Any,
     ) -> None:
         overrides.setdefault("target_device", str(target_device))
+        # Training: trainable parameters get gradients, so they are never streamed as frozen.
+        overrides.setdefault("treat_as_inference", False)
         overrides.setdefault("enable_optimizer_cpu_offload", enable_optimizer_cpu_offload)
         if cpu_offload_split_threshold is not None:
             overrides.setdefault("split_threshold_mb", cpu_offload_split_threshold)

@@ -45,6 +45,7 @@ class TensorSlot:
     store_dtype: torch.dtype | None = None  # host/transfer dtype when it differs (fp8, bf16)
     store_offset: int = 0  # bytes into the unit's slab (storage layout)
     scale: float | None = None  # per-tensor scale of fp8 storage
+    trainable: bool = False  # bound through .data so autograd accumulates into the Parameter
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +142,7 @@ def discover_units(
     granularity: Granularity = Granularity.AUTO,
     split_threshold_bytes: int | None = None,
     stream_trainable: bool = False,
+    all_frozen: bool = False,
 ) -> UnitPlan:
     # Which module paths hold each tensor: tied weights show up twice.
     holders: dict[int, list[tuple[nn.Module, str, bool]]] = {}
@@ -182,13 +184,13 @@ def discover_units(
                 if tid in assigned:
                     continue
                 assigned.add(tid)
-                trainable = is_param and t.requires_grad
+                trainable = is_param and t.requires_grad and not all_frozen
                 if keep_resident(tid) or (trainable and not stream_trainable) or t.numel() == 0:
                     for h in holders[tid]:
                         resident.append(h)
                     continue
                 unit.trainable |= trainable
-                unit.tensors.append(TensorSlot(m, n, is_param, t.shape, t.dtype))
+                unit.tensors.append(TensorSlot(m, n, is_param, t.shape, t.dtype, trainable=trainable))
         if unit.tensors:
             unit.layout()
             units.append(unit)

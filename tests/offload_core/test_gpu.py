@@ -122,7 +122,10 @@ def test_flux_inference_bitwise_on_cuda() -> None:
         want = ref(**inputs, return_dict=False)[0]
         for _ in range(3):
             assert torch.equal(off(**inputs, return_dict=False)[0], want)
-    assert h.stats()["pinned"] is True
+    s = h.stats()
+    # Every parameter requires grad (as from_pretrained leaves them): streamed as an inference model.
+    assert s["pinned"] is True and s["streamed_bytes"] > 0 and s["resident_bytes"] == 0
+    assert all(p.numel() == 0 for p in off.parameters())
     h.remove()
 
 
@@ -320,7 +323,9 @@ def test_fp8_storage_bitwise_to_fake_quantized_resident() -> None:
         for _ in range(3):
             assert torch.equal(off(**inputs, return_dict=False)[0], want)
     s = h.stats()
-    assert s["h2d_bytes"] < s["streamed_bytes"] * 3  # three forwards of roughly half-size weights
+    assert s["streamed_bytes"] > 0
+    assert s["pinned_used_bytes"] < 0.6 * s["streamed_bytes"]  # fp8 matrices: about half of bf16
+    assert s["h2d_bytes"] <= 3 * s["pinned_capacity_bytes"]  # three forwards at most, in fp8
     h.remove()
 
 
