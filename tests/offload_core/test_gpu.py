@@ -325,7 +325,8 @@ def test_fp8_storage_bitwise_to_fake_quantized_resident() -> None:
     s = h.stats()
     assert s["streamed_bytes"] > 0
     assert s["pinned_used_bytes"] < 0.6 * s["streamed_bytes"]  # fp8 matrices: about half of bf16
-    assert s["h2d_bytes"] <= 3 * s["pinned_capacity_bytes"]  # three forwards at most, in fp8
+    # Three forwards in fp8, plus the wrap-around prefetch of the next cycle's first units.
+    assert s["h2d_bytes"] <= 4 * s["pinned_capacity_bytes"]
     h.remove()
 
 
