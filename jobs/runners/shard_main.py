@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import time
 
 from jobs.runners._entry import fail, load_job, write_metrics
@@ -11,28 +9,26 @@ from jobs.runners._entry import fail, load_job, write_metrics
 
 def main() -> None:
     spec, run_dir = load_job()
-    try:
-        shard = importlib.import_module("offload_core.shard")
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == "offload_core.shard" or exc.name == "offload_core"):
-            fail("setup_failed", "offload_core.shard is not available in this install yet; the shard runner needs it")
-        raise
-    fn = getattr(shard, "shard_checkpoint", None) or getattr(shard, "shard", None)
-    if not callable(fn):
-        fail("setup_failed", "offload_core.shard has no shard_checkpoint(src, dst, dtype=...) function")
+    from offload_core.errors import OffloadError
+    from offload_core.shard import shard_checkpoint
+
     print(f"sharding {spec.shard.src} -> {spec.shard.dst}" + (f" as {spec.shard.dtype}" if spec.shard.dtype else ""), flush=True)
     t0 = time.monotonic()
-    kwargs = {}
-    if spec.shard.dtype and "dtype" in inspect.signature(fn).parameters:
-        kwargs["dtype"] = spec.shard.dtype
+
+    def report(p: dict) -> None:
+        # One metrics line and one log line per file written: progress the TUI and `logs` can show.
+        write_metrics({"step": p["files_done"], "total_steps": p["files_total"], **p})
+        print(f"  {p['files_done']}/{p['files_total']} files", flush=True)
+
     try:
-        result = fn(spec.shard.src, spec.shard.dst, **kwargs)
+        result = shard_checkpoint(spec.shard.src, spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report)
     except MemoryError as exc:
         fail("host_oom", f"out of host memory while sharding: {exc}", code=1)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        fail("setup_failed", f"{exc}")
-    write_metrics({"step": 1, "seconds": round(time.monotonic() - t0, 3), "done": True})
-    print(f"done in {time.monotonic() - t0:.1f}s" + (f": {result}" if result is not None else ""), flush=True)
+    except OffloadError as exc:  # a missing or corrupt checkpoint, a full disk: the user's to fix
+        fail("setup_failed", str(exc))
+    write_metrics({"done": True, "seconds": round(time.monotonic() - t0, 3)})
+    print(f"done in {time.monotonic() - t0:.1f}s: {result['units']} units in {result['files']} files, "
+          f"{result['written']} written, {result['resumed']} resumed; index {result['index']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -215,38 +215,31 @@ def test_shard_missing_source(runner: CliRunner, tmp_path: Path) -> None:
     assert "none" in line and "no such file" in line
 
 
-def test_shard_without_engine_support(runner: CliRunner, tmp_path: Path) -> None:
-    import importlib.util
+def _tiny_checkpoint(path: Path) -> Path:
+    from diffusers import FluxTransformer2DModel
 
-    if importlib.util.find_spec("offload_core.shard") is not None:
-        pytest.skip("offload_core.shard exists")
-    line = one_error_line(runner.invoke(app, ["shard", str(tmp_path), str(tmp_path / "dst")]))
-    assert "offload_core.shard" in line
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                   guidance_embeds=False, axes_dims_rope=(4, 4, 8))
+    model.save_pretrained(path)
+    return path
 
 
-def test_shard_calls_the_engine_in_process(runner: CliRunner, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The verb's wiring, with a stand-in for offload_core.shard (the real one is covered end to end)."""
-    import sys
-    import types
-
-    calls: list[tuple[str, str, dict[str, Any]]] = []
-
-    def shard_checkpoint(src: str, dst: str, dtype: str | None = None) -> str:
-        calls.append((src, dst, {"dtype": dtype}))
-        if "missing" in dst:
-            raise FileNotFoundError(f"no such directory: {dst}")
-        return f"{dst}/index.json"
-
-    fake = types.ModuleType("offload_core.shard")
-    fake.shard_checkpoint = shard_checkpoint  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "offload_core.shard", fake)
-    result = runner.invoke(app, ["shard", str(tmp_path), str(tmp_path / "out"), "--dtype", "bfloat16"])
+def test_shard_runs_the_engine_in_process(runner: CliRunner, tmp_path: Path) -> None:
+    src = _tiny_checkpoint(tmp_path / "flux")
+    result = runner.invoke(app, ["shard", str(src), str(tmp_path / "out"), "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
-    assert calls == [(str(tmp_path), str(tmp_path / "out"), {"dtype": "bfloat16"})]
-    assert result.stdout.strip() == f"{tmp_path / 'out'}/index.json"
-    line = one_error_line(runner.invoke(app, ["shard", str(tmp_path), str(tmp_path / "missing")]))
-    assert "no such directory" in line
+    assert result.stdout.strip() == str(tmp_path / "out" / "index.json")
+    assert (tmp_path / "out" / "index.json").is_file()
+
+
+def test_shard_corrupt_checkpoint_is_one_line(runner: CliRunner, tmp_path: Path) -> None:
+    src = _tiny_checkpoint(tmp_path / "flux")
+    weights = next(src.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    line = one_error_line(runner.invoke(app, ["shard", str(src), str(tmp_path / "out")]))
+    assert weights.name in line
+    assert not (tmp_path / "out" / "index.json").exists()
 
 
 def test_up_and_down_without_docker(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
