@@ -104,19 +104,25 @@ def test_small_dit_lora_bitwise_on_cuda(ckpt: bool, granularity: str) -> None:
     mgr.remove()
 
 
-def test_flux_inference_bitwise_on_cuda() -> None:
+def _tiny_flux() -> tuple[nn.Module, dict]:
+    """The RECIPES tiny Flux (every parameter requires grad, as from_pretrained leaves it) and inputs."""
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    ref = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                 guidance_embeds=False, axes_dims_rope=(4, 4, 8)).eval()
-    off = copy.deepcopy(ref)
-    ref.to(CUDA)
-    h = enable_offload(off, target_device=CUDA, offload_granularity="block")
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                   guidance_embeds=False, axes_dims_rope=(4, 4, 8)).eval()
     inputs = dict(hidden_states=torch.randn(1, 64, 4), encoder_hidden_states=torch.randn(1, 12, 32),
                   pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
                   img_ids=torch.randn(64, 3), txt_ids=torch.zeros(12, 3))
+    return model, inputs
+
+
+def test_flux_inference_bitwise_on_cuda() -> None:
+    torch.manual_seed(0)
+    ref, inputs = _tiny_flux()
+    off = copy.deepcopy(ref)
+    ref.to(CUDA)
+    h = enable_offload(off, target_device=CUDA, offload_granularity="block")
     inputs = {k: v.to(CUDA) for k, v in inputs.items()}
     with torch.no_grad():
         want = ref(**inputs, return_dict=False)[0]
@@ -302,20 +308,14 @@ def test_optimizer_offload_accumulation_on_cuda() -> None:
 
 
 def test_fp8_storage_bitwise_to_fake_quantized_resident() -> None:
-    from diffusers import FluxTransformer2DModel
-
     from offload_core.quant import fake_quantize
 
     torch.manual_seed(0)
-    ref = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                 guidance_embeds=False, axes_dims_rope=(4, 4, 8)).eval().to(torch.bfloat16)
+    ref, inputs = _tiny_flux()
+    ref = ref.to(torch.bfloat16)
     off = copy.deepcopy(ref)
     fake_quantize(ref, "float8_e4m3fn").to(CUDA)
     h = enable_offload(off, target_device=CUDA, offload_granularity="block", weight_dtype="float8_e4m3fn")
-    inputs = dict(hidden_states=torch.randn(1, 64, 4), encoder_hidden_states=torch.randn(1, 12, 32),
-                  pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
-                  img_ids=torch.randn(64, 3), txt_ids=torch.zeros(12, 3))
     inputs = {k: v.to(CUDA, torch.bfloat16 if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v.dtype)
               for k, v in inputs.items()}
     with torch.no_grad():
