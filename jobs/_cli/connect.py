@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 from jobs._cli.output import CliError
 
 if TYPE_CHECKING:
-    import httpx
-
     from jobs.client import JobsClient
 
 __all__ = ["connect", "resolve_job"]
@@ -21,40 +19,7 @@ def connect() -> JobsClient:
     """A client for the worker named by OFFLOAD_JOBS_URL/TOKEN or the state dir."""
     from jobs.client import JobsClient  # httpx: loaded only by verbs that talk to the worker
 
-    return JobsClient.from_env(transport=_lazy_tls_transport())
-
-
-def _lazy_tls_transport() -> httpx.BaseTransport:
-    """A transport that loads the CA bundle only if a request is https.
-
-    httpx's default transport builds a verifying SSL context up front (20-60 ms here), which is a
-    sizeable part of `offload-jobs ps`'s 300 ms budget, while the worker is plain http on loopback.
-    """
-    import ssl
-
-    import httpx
-
-    class LazyTLSTransport(httpx.BaseTransport):
-        def __init__(self) -> None:
-            self._by_scheme: dict[str, httpx.HTTPTransport] = {}
-
-        def _for(self, scheme: str) -> httpx.HTTPTransport:
-            if scheme not in self._by_scheme:
-                if scheme == "https":
-                    self._by_scheme[scheme] = httpx.HTTPTransport()  # full certificate verification
-                else:
-                    # Never used for TLS: a bare client context (verifying, no CAs) is enough and cheap.
-                    self._by_scheme[scheme] = httpx.HTTPTransport(verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
-            return self._by_scheme[scheme]
-
-        def handle_request(self, request: httpx.Request) -> httpx.Response:
-            return self._for(request.url.scheme).handle_request(request)
-
-        def close(self) -> None:
-            for transport in self._by_scheme.values():
-                transport.close()
-
-    return LazyTLSTransport()
+    return JobsClient.from_env()
 
 
 def resolve_job(client: JobsClient, ref: str) -> dict[str, Any]:
