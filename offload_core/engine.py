@@ -89,6 +89,7 @@ class OffloadEngine:
         self._handles: list[Any] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._cycle_start: Any = None
+        self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         all_frozen = config.treat_as_inference
@@ -263,7 +264,6 @@ class OffloadEngine:
         if self.timing is not None:
             ev = self.timing.event()
             ev.record(torch.cuda.current_stream(self.device))
-            self._compute_start = getattr(self, "_compute_start", {})
             self._compute_start[u.uid] = ev
 
     def _unbind(self, u: Unit) -> None:
@@ -284,7 +284,7 @@ class OffloadEngine:
                         dirty.append((ts, view))
         if dirty:
             self._write_back(u, dirty)
-        if self.timing is not None and u.uid in getattr(self, "_compute_start", {}):
+        if self.timing is not None and u.uid in self._compute_start:
             end = self.timing.event()
             end.record(torch.cuda.current_stream(self.device))
             self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), end)
