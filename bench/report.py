@@ -7,7 +7,7 @@ from typing import Any, Callable
 __all__ = ["format_header", "format_markdown", "format_table", "render"]
 
 COLUMNS = [
-    "workload", "variant", "time ms", "x res", "x floor", "target", "peak GB", "H2D GB/step",
+    "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "target", "peak GB", "H2D GB/step",
     "RSS/W", "pin/W", "setup s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
 ]
 
@@ -50,6 +50,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _f(r.get("time_ms")),
         _f(r.get("x_resident")),
         _f(r.get("x_floor")),
+        _f(r.get("x_workload_floor")),
         tgt,
         _f(peak),
         h2d_s,
@@ -77,6 +78,11 @@ def _short_note(r: dict[str, Any]) -> str:
     if isinstance(cfg.get("vram_budget"), (int, float)):
         b = cfg["vram_budget"]
         bits.append(f"budget {b / 1e9:.2f} GB" if b >= 1e8 else f"budget {b / 1e6:.2f} MB")
+    plan = r.get("stats") or {}
+    if plan.get("plan_chosen_by") == "measured":
+        bits.append(f"planned: {plan.get('plan_sticky_units')} sticky +{plan.get('plan_extra_slots')} slots")
+    if plan.get("plan_stray_resident_bytes"):
+        bits.append(f"strays {plan['plan_stray_resident_bytes'] / 1e6:.0f} MB resident")
     return " ".join(bits)
 
 
@@ -154,7 +160,8 @@ def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
         for line in notes:
             echo("  " + line)
     echo("")
-    echo("x floor: time / the row's floor.  H2D GB/step: from the engine's counters, or * from torch.profiler.")
+    echo("x floor: time / the row's floor (ours: its own, from the bytes it streams).  x wl floor: time / the workload floor.")
+    echo("H2D GB/step: from the engine's counters, or * from torch.profiler.")
     echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
     echo(format_table(result["rows"]))
 

@@ -36,8 +36,9 @@ class OffloadHandle:
             out["vram_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
         else:
             out["vram_allocated_bytes"] = out["vram_reserved_bytes"] = out["vram_peak_bytes"] = 0
-        streamed = sum(u.nbytes for u in e.streamed)
-        resident = sum(t.nbytes for u in e.units if not u.streamed for t in u.tensors)
+        streamed = sum(u.nbytes for u in e.streamed if not u.sticky)
+        sticky = sum(u.nbytes for u in e.streamed if u.sticky)
+        resident = sticky + sum(t.nbytes for u in e.units if not u.streamed for t in u.tensors)
         resident += sum(
             (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
             for m, a, p in e.plan.resident
@@ -51,6 +52,8 @@ class OffloadHandle:
             weight_bytes=streamed + resident,
             streamed_bytes=streamed,
             resident_bytes=resident,
+            sticky_bytes=sticky,
+            sticky_units=len(e.ring.sticky),
             slot_count=len(e.ring.slots),
             slot_bytes=e.ring.slot_bytes,
             slot_grows=e.ring.grows,
@@ -70,7 +73,8 @@ class OffloadHandle:
             trace_relearned=e.schedule.relearned,
             setup_seconds=e.setup_seconds,
             num_units=len(e.units),
-            units=[{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed} for u in e.units],
+            units=[{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed and not u.sticky, "sticky": u.sticky,
+                    "stray": u.stray} for u in e.units],
             plan=dict(e.prediction),
         )
         h2d_ms = stall_ms = compute_ms = 0.0
@@ -94,25 +98,9 @@ class OffloadHandle:
             out.update(self.trainer.stats())
         return out
 
-    def _predict(self) -> float:
-        """The planner's model of one cycle, from measured per-unit compute and copy times."""
-        from .planner import simulate
-
-        e = self.engine
-        per = e.timing.per_unit_ms
-        counts = {u.uid: max(e.counters.steps, 1) for u in e.units}
-        compute = {uid: per[uid].get("compute", 0.0) / counts[uid] for uid in counts if uid in per}
-        bw = self._copy_bandwidth()
-        copy = {u.uid: u.store_nbytes / bw * 1e3 for u in e.streamed} if bw else {}
-        trace = e.schedule.trace or [u.uid for u in e.streamed]
-        uses = {uid: trace.count(uid) for uid in set(trace)}
-        compute = {uid: ms / uses.get(uid, 1) for uid, ms in compute.items()}
-        return simulate(trace, {u.uid for u in e.streamed}, compute, copy, len(e.ring.slots), e.config.prefetch)
-
-    def _copy_bandwidth(self) -> float:
-        e = self.engine
-        ms = e.timing.total_ms.get("h2d", 0.0)
-        return e.counters.h2d_bytes / (ms / 1e3) if ms > 0 else 0.0
+    def _predict(self) -> float | None:
+        """The planner's model of one cycle, from measured busy times per use and copy times."""
+        return self.engine.predict()
 
     def reset_stats(self) -> None:
         e = self.engine

@@ -56,6 +56,10 @@ class OffloadConfig:
     offload_ratio: float | None = None
     vram_budget: int | str | None = None
     prefetch: int = 2
+    # Block/phase granularity: the tensors outside the block lists (embedders, final norm and
+    # projection) stay resident when they total at most this fraction of the streamed bytes.
+    # 0 streams them like the blocks.
+    stray_resident_fraction: float = 0.05
     lazy_load: bool = False
     offload_to_disk: bool = False
     shard_dir: str | None = None
@@ -97,6 +101,11 @@ class OffloadConfig:
         self.max_memory = parse_bytes(self.max_memory, key="max_memory")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise OffloadConfigError(f"prefetch: must be a whole number >= 0, got {self.prefetch!r}")
+        if isinstance(self.stray_resident_fraction, bool) or not isinstance(self.stray_resident_fraction, (int, float)) \
+                or not 0.0 <= float(self.stray_resident_fraction) <= 1.0:
+            raise OffloadConfigError(
+                f"stray_resident_fraction: must be a number between 0 and 1, got {self.stray_resident_fraction!r}"
+            )
         if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
             raise OffloadConfigError(
                 f"gradient_accumulation_steps: must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"

@@ -28,7 +28,7 @@ from torch import nn
 from .arena import PinnedArena, trim_host_heap
 from .config import OffloadConfig
 from .errors import DeviceUnavailableError, NotAModuleError
-from .planner import plan_residency
+from .planner import choose, plan_residency, ring_slots, simulate
 from .quant import eligible, quantize, storage_dtype, widen
 from .schedule import Schedule
 from .slots import Slot, SlotRing
@@ -79,7 +79,7 @@ class OffloadEngine:
         self.device = resolve_device(config.target_device)
         self.is_cuda = self.device.type == "cuda"
         self.use_streams = bool(config.use_streams and self.is_cuda)
-        self.timing = TimingLog() if (self.is_cuda and config.record_timings) else None
+        self.timing = TimingLog(host=not self.is_cuda) if config.record_timings else None
         self.counters = Counters()
         self._lock = threading.RLock()
         self._tick = 0
@@ -90,6 +90,8 @@ class OffloadEngine:
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._cycle_start: Any = None
         self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
+        self._span_from: tuple[int, Any] | None = None  # (trace position, event) of the last use's start
+        self._replanned = False
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         all_frozen = config.treat_as_inference
@@ -126,9 +128,12 @@ class OffloadEngine:
         self._depth: dict[int, int] = {}
         self._writeback: dict[int, Any] = {}
 
-        slot_bytes = max((u.nbytes for u in self.streamed), default=0)
-        slots = max(config.prefetch + 1, 2) if self.streamed else 0
-        self.ring = SlotRing(slot_bytes, slots, self.device)
+        moving = [u for u in self.streamed if not u.sticky]
+        slot_bytes = max((u.nbytes for u in moving), default=0)
+        self.ring = SlotRing(slot_bytes, ring_slots(config) if moving else 0, self.device)
+        for u in self.streamed:
+            if u.sticky:
+                self.ring.add_sticky(u.uid, u.nbytes)
         self.schedule = Schedule(config.prefetch)
         # Units stored in another dtype land in a raw buffer and are widened into their slot;
         # two raw buffers let the next copy overlap the current widening.
@@ -200,18 +205,19 @@ class OffloadEngine:
             return
         if self.timing is not None:
             # Each pair owns its two events: the pool recycles events once a pair is resolved.
-            stream = torch.cuda.current_stream(self.device)
             if self._cycle_start is not None:
-                end = self.timing.event()
-                end.record(stream)
-                self.timing.add("cycle", -1, self._cycle_start, end)
-            self._cycle_start = self.timing.event()
-            self._cycle_start.record(stream)
+                self.timing.add("cycle", -1, self._cycle_start, self._mark())
+            self._cycle_start = self._mark()
         with self._lock:
             self.counters.steps += 1
             self.schedule.start_cycle()
             for cb in self._cycle_callbacks:
                 cb()
+            if (self.config.vram_budget is not None and not self._replanned and self.timing is not None
+                    and self.schedule.cycles >= 3 and self.schedule.learned):
+                self._replanned = True
+                if self.replan() is not None:
+                    self._prefetch(-1)  # units the new plan no longer keeps: fetch the first ones now
         if torch.is_grad_enabled() and self.streamed:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             self._saved_hooks.__enter__()
@@ -262,9 +268,7 @@ class OffloadEngine:
                 bound.append((ts, orig, view, None if view.is_inference() else view._version))
         self._bound[u.uid] = bound
         if self.timing is not None:
-            ev = self.timing.event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._compute_start[u.uid] = ev
+            self._compute_start[u.uid] = self._mark()
 
     def _unbind(self, u: Unit) -> None:
         bound = self._bound.pop(u.uid, None)
@@ -285,9 +289,7 @@ class OffloadEngine:
         if dirty:
             self._write_back(u, dirty)
         if self.timing is not None and u.uid in self._compute_start:
-            end = self.timing.event()
-            end.record(torch.cuda.current_stream(self.device))
-            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), end)
+            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), self._mark())
 
     def _write_back(self, u: Unit, dirty: list) -> None:
         """Copy in-place-updated buffers (running stats, counters) back to the host master."""
@@ -334,12 +336,23 @@ class OffloadEngine:
         if self.config.debug_host_delay_ms > 0:
             time.sleep(random.random() * self.config.debug_host_delay_ms / 1000.0)
 
+    def _mark(self, stream: Any = None) -> Any:
+        """A timing event recorded now on ``stream`` (default: the compute stream)."""
+        ev = self.timing.event()
+        if self.is_cuda:
+            ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        else:
+            ev.record()
+        return ev
+
     def use(self, u: Unit, backward: bool = False) -> Slot:
         """Make u's bytes available to the compute stream and return its slot."""
         self._delay()
         with self._lock:
             self._tick += 1
             new_use = self.schedule.observe_new(u.uid)
+            timed = self.timing is not None and new_use
+            arrive = (self._mark(), self._mark()) if timed else None
             slot = self.ring.lookup(u.uid)
             if slot is None:
                 keep = set(self.schedule.upcoming(self.config.prefetch + 1)) | {u.uid}
@@ -353,15 +366,15 @@ class OffloadEngine:
                 self.counters.cache_hits += 1
             slot.last_use = self._tick
             if self.use_streams and slot.ready is not None:
-                stream = torch.cuda.current_stream(self.device)
-                if self.timing is not None and new_use:
-                    a, b = self.timing.event(), self.timing.event()
-                    a.record(stream)
-                    stream.wait_event(slot.ready)
-                    b.record(stream)
-                    self.timing.add("stall", u.uid, a, b)
-                else:
-                    stream.wait_event(slot.ready)
+                torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            if timed:
+                # stall: waiting for this unit's bytes; span: busy from the last use's start to here.
+                # Every pair owns its events (the log recycles an event once its pair resolves).
+                self.timing.add("stall", u.uid, arrive[0], self._mark())
+                if self._span_from is not None:
+                    pos, ev = self._span_from
+                    self.timing.add("span", ("pos", pos), ev, arrive[1])
+                self._span_from = (len(self.schedule._current) - 1, self._mark())
             self._prefetch(u.uid)
             return slot
 
@@ -379,7 +392,9 @@ class OffloadEngine:
             self.counters.prefetch_issued += 1
 
     def _load(self, u: Unit, keep: set[int], urgent: bool) -> Slot | None:
-        slot = self.ring.pick_victim(keep)
+        slot = self.ring.sticky.get(u.uid)
+        if slot is None:
+            slot = self.ring.pick_victim(keep)
         if slot is None:
             if not urgent:
                 return None
@@ -409,14 +424,10 @@ class OffloadEngine:
             else:
                 dst = slot.buf[: u.nbytes]
             with torch.cuda.stream(h2d):
-                if self.timing is not None:
-                    a = self.timing.event()
-                    a.record(h2d)
+                a = self._mark(h2d) if self.timing is not None else None
                 dst.copy_(src, non_blocking=True)
-                if self.timing is not None:
-                    b_ev = self.timing.event()
-                    b_ev.record(h2d)
-                    self.timing.add("h2d", u.uid, a, b_ev)
+                if a is not None:
+                    self.timing.add("h2d", u.uid, a, self._mark(h2d))
                 ready = torch.cuda.Event()
                 ready.record(h2d)
             if u.converted:
@@ -429,16 +440,81 @@ class OffloadEngine:
                 self._raw_free[b] = ready
             slot.ready = ready
         else:
+            a = self._mark() if self.timing is not None else None
             if u.converted:
                 dst = self._raw[0][: u.store_nbytes]
                 dst.copy_(src)
-                self._widen(u, dst, slot)
             else:
                 slot.buf[: u.nbytes].copy_(src)
+            if a is not None:
+                self.timing.add("h2d", u.uid, a, self._mark())
+            if u.converted:
+                self._widen(u, dst, slot)
             slot.ready = None
         self.counters.h2d_bytes += u.store_nbytes
         self.counters.h2d_count += 1
         return slot
+
+    # ------------------------------------------------------------------ planning from measurements
+    def measured_model(self) -> tuple[list[int], list[float], dict[int, float]] | None:
+        """The traced cycle, each position's busy time and each streamed unit's copy time, in ms.
+
+        A position's busy time runs from its unit's use starting (bytes ready) to the next use being
+        asked for, so backward kernels, recompute and the optimizer step between cycles count too.
+        """
+        if self.timing is None or not self.schedule.trace:
+            return None
+        self.timing.resolve(block=True)
+        h2d_ms = self.timing.total_ms.get("h2d", 0.0)
+        if h2d_ms <= 0 or self.counters.h2d_bytes <= 0:
+            return None
+        per_ms = self.counters.h2d_bytes / h2d_ms
+        trace = list(self.schedule.trace)
+        spans = [self.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))]
+        copy = {u.uid: u.store_nbytes / per_ms for u in self.streamed}
+        return trace, spans, copy
+
+    def predict(self) -> float | None:
+        model = self.measured_model()
+        if model is None:
+            return None
+        trace, spans, copy = model
+        return simulate(trace, spans, copy, len(self.ring.slots), self.config.prefetch, set(self.ring.sticky))
+
+    def replan(self) -> dict | None:
+        """vram_budget: choose sticky units and extra ring slots from the measured cycle."""
+        model = self.measured_model()
+        if model is None or self.ring.slot_bytes <= 1 or self.config.vram_budget is None:
+            return None
+        trace, spans, copy = model
+        budget = int(self.config.vram_budget) - int(self.prediction.get("stray_resident_bytes", 0))
+        forced = {uid for uid in self.ring.sticky if self.units[uid].nbytes > self.ring.slot_bytes}
+        candidates = {u.uid for u in self.streamed if not u.trainable}
+        res = choose(trace, spans, copy, {u.uid: u.nbytes for u in self.streamed}, slot_bytes=self.ring.slot_bytes,
+                     slots=len(self.ring.slots), prefetch=self.config.prefetch, budget=budget, forced=forced,
+                     candidates=candidates)
+        for uid in list(self.ring.sticky):
+            if uid not in res["sticky"]:
+                self.ring.drop_sticky(uid)
+                self.units[uid].sticky = False
+        for uid in sorted(res["sticky"]):
+            if uid not in self.ring.sticky:
+                self.units[uid].sticky = True
+                self.ring.add_sticky(uid, self.units[uid].nbytes)
+        self.ring.add_slots(res["extra_slots"])
+        moving = [u for u in self.streamed if not u.sticky]
+        self.prediction.update(
+            chosen_by="measured",
+            sticky_units=len(res["sticky"]),
+            streamed_units=len(moving),
+            streamed_bytes=sum(u.nbytes for u in moving),
+            sticky_bytes=sum(self.units[uid].nbytes for uid in res["sticky"]),
+            extra_slots=res["extra_slots"],
+            planned_step_ms=res["predicted_ms"],
+            unplanned_step_ms=res["start_ms"],
+            plan_seconds=res["seconds"],
+        )
+        return res
 
     @staticmethod
     def _widen(u: Unit, raw: torch.Tensor, slot: Slot) -> None:
@@ -453,10 +529,14 @@ class OffloadEngine:
                 scaled.append(dst)
                 scales.append(ts.scale)
         torch._foreach_copy_(dsts, srcs)
-        # quant.widen's arithmetic exactly (the product in fp32, one rounding); _foreach_mul_ with
-        # a scalar list rounds differently on the CPU, so it is not used here.
-        for dst, scale in zip(scaled, scales):
-            dst.mul_(scale)
+        # quant.widen's arithmetic exactly: the product in fp32 (opmath), rounded once. On CUDA one
+        # multi-tensor kernel does that; on the CPU _foreach_mul_ with a scalar list rounds
+        # differently, so there each tensor gets its own mul_.
+        if scaled and raw.is_cuda:
+            torch._foreach_mul_(scaled, scales)
+        else:
+            for dst, scale in zip(scaled, scales):
+                dst.mul_(scale)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:

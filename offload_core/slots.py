@@ -45,6 +45,7 @@ class SlotRing:
         self.slots: list[Slot] = []
         self.by_ptr: dict[int, Slot] = {}
         self.by_owner: dict[int, Slot] = {}
+        self.sticky: dict[int, Slot] = {}  # uid -> a buffer of the unit's own, never reused by others
         self.grows = 0
         for _ in range(count):
             self._add()
@@ -58,12 +59,43 @@ class SlotRing:
         return slot
 
     def grow(self) -> Slot:
+        """One more slot for a load that found none free (counted: it means the ring was too small)."""
         self.grows += 1
         return self._add()
+
+    def add_slots(self, k: int) -> None:
+        """Planned extra slots (not counted as grows)."""
+        for _ in range(k):
+            self._add()
+
+    def add_sticky(self, uid: int, nbytes: int) -> Slot:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        slot = Slot(index=-1, buf=buf)
+        slot.baseline = _use_count(buf)
+        self.sticky[uid] = slot
+        self.by_ptr[slot.ptr] = slot
+        # The unit's bytes may still sit in a ring slot: that slot is free again.
+        old = self.by_owner.pop(uid, None)
+        if old is not None:
+            old.owner = None
+        return slot
+
+    def drop_sticky(self, uid: int) -> None:
+        """Forget uid's own buffer (freed once nothing references it); it streams through the ring again."""
+        slot = self.sticky.pop(uid, None)
+        if slot is None:
+            return
+        self.by_ptr.pop(slot.ptr, None)
+        if self.by_owner.get(uid) is slot:
+            del self.by_owner[uid]
 
     @property
     def capacity_bytes(self) -> int:
         return self.slot_bytes * len(self.slots)
+
+    @property
+    def sticky_bytes(self) -> int:
+        return sum(s.buf.numel() for s in self.sticky.values())
 
     def lookup(self, uid: int) -> Slot | None:
         return self.by_owner.get(uid)
@@ -93,5 +125,6 @@ class SlotRing:
 
     def clear(self) -> None:
         self.slots.clear()
+        self.sticky.clear()
         self.by_ptr.clear()
         self.by_owner.clear()

@@ -6,6 +6,8 @@ pre-hook to its post-hook. Units are found from the module tree:
 - leaf:  every module that directly owns tensors gives a unit of those tensors
 - block: each item of the model's big ModuleLists is one unit (its whole subtree); the rest is leaf
 - phase: each direct child of a block is one unit; the block's own tensors form another
+- strays: in block and phase mode, the tensors outside the block lists (embedders, final norm and
+  projection) become leaf units marked ``stray``; the planner may keep them resident
 - split threshold (bytes): a unit whose subtree is bigger than the threshold is split into its
   children, recursing into non-leaf modules; the module's own tensors become their own unit
 
@@ -68,8 +70,10 @@ class Unit:
     tensors: list[TensorSlot] = field(default_factory=list)
     nbytes: int = 0  # slot bytes in the compute layout, aligned
     store_nbytes: int = 0  # slab bytes in the storage layout (smaller with fp8)
-    streamed: bool = True
+    streamed: bool = True  # packed in the host arena (False: moved to the device once, for good)
     trainable: bool = False  # holds trainable params (only streamed with optimizer offload)
+    stray: bool = False  # block/phase granularity: tensors outside the block lists (embedders, heads)
+    sticky: bool = False  # streamed, but the planner keeps it in a device buffer of its own
 
     @property
     def converted(self) -> bool:
@@ -175,9 +179,9 @@ def discover_units(
     def keep_resident(tid: int) -> bool:
         return len({id(h[0]) for h in holders[tid]}) > 1 or tid in aliased
 
-    def add_unit(anchor: nn.Module, modules: list[nn.Module], label: str) -> None:
+    def add_unit(anchor: nn.Module, modules: list[nn.Module], label: str, stray: bool = False) -> None:
         anchor = callable_anchor(anchor)
-        unit = Unit(uid=len(units), name=label, anchor=anchor)
+        unit = Unit(uid=len(units), name=label, anchor=anchor, stray=stray)
         for m in modules:
             for n, t, is_param in _direct_tensors(m):
                 tid = id(t)
@@ -197,14 +201,15 @@ def discover_units(
 
     def leaf_units(root: nn.Module, skip: set[int] | None = None) -> None:
         inside: set[int] = set(skip or ())
+        stray = skip is not None
         for m in root.modules():
             if id(m) in inside:
                 continue
             if isinstance(m, ATOMIC):
                 inside.update(id(x) for x in m.modules())
-                add_unit(m, list(m.modules()), names.get(m, "") or "<root>")
+                add_unit(m, list(m.modules()), names.get(m, "") or "<root>", stray)
             elif any(True for _ in _direct_tensors(m)):
-                add_unit(m, [m], names.get(m, "") or "<root>")
+                add_unit(m, [m], names.get(m, "") or "<root>", stray)
 
     def subtree_unit(m: nn.Module) -> None:
         if isinstance(m, _CONTAINERS):

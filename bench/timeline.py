@@ -1,0 +1,169 @@
+"""Where a step's time goes, for one configuration of our engine on one workload.
+
+    python -m bench.timeline --workload p1 --set weight_dtype=float8_e4m3fn [--steps 3] [--json out.json]
+
+After warm-up it reports, per step: wall time, the host's time to enqueue the step (a step that
+takes as long to enqueue as to run is host-bound), the engine's stall and busy time, and from
+``torch.profiler`` the GPU time by kind of kernel and by stream (compute, copy, widening). Then the
+engine's per-unit table: copy ms, busy ms and stall ms per use. This is the evidence a missed
+target is explained with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .peers import ours_variant
+from .workloads import get_workload
+
+__all__ = ["main"]
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    if "memcpy" in n and ("htod" in n or "host to device" in n):
+        return "memcpy HtoD"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy other"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "matmul" in n:
+        return "gemm"
+    if "copy" in n or "foreach" in n or "mul" in n or "elementwise" in n or "vectorized" in n:
+        return "elementwise/copy"
+    return "other"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    wl = get_workload(args.workload, args.tiny)
+    cfg = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    model = wl.build()
+    inputs = wl.make_inputs(device)
+    sess = ours_variant("ours", **cfg).setup(model, wl, device)
+
+    def step() -> None:
+        if wl.train:
+            loss = wl.loss(sess.model, inputs)
+            loss.backward()
+            if sess.after_backward is not None:
+                sess.after_backward()
+            sess.optimizer.step()
+            sess.optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                wl.forward(sess.model, inputs)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    stats0 = sess.stats()
+    walls, enqueue = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        enqueue.append((t1 - t0) * 1e3)
+    stats1 = sess.stats()
+    out: dict[str, Any] = {
+        "workload": wl.name, "config": cfg, "device": str(device),
+        "wall_ms": walls, "enqueue_ms": enqueue,
+        "wall_ms_median": statistics.median(walls), "enqueue_ms_median": statistics.median(enqueue),
+        "stall_ms_per_step": (stats1.get("stall_ms", 0) - stats0.get("stall_ms", 0)) / args.steps,
+        "h2d_gb_per_step": (stats1["h2d_bytes"] - stats0["h2d_bytes"]) / args.steps / 1e9,
+        "predicted_step_ms": stats1.get("predicted_step_ms"),
+        "measured_step_ms": stats1.get("measured_step_ms"),
+        "plan": stats1.get("plan"),
+    }
+    units = []
+    for u in stats1.get("units", []):
+        if any(k.endswith("_ms") for k in u):
+            units.append({k: v for k, v in u.items() if k in ("name", "bytes", "streamed", "sticky") or k.endswith("_ms")})
+    out["units"] = units
+
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                step()
+            sync()
+        by_kind: dict[str, float] = defaultdict(float)
+        by_stream: dict[str, float] = defaultdict(float)
+        spans: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            by_kind[_kind(ev.name)] += us / 1e3 / 2
+            stream = str(getattr(ev, "device_resource_id", getattr(ev, "thread", "?")))
+            by_stream[stream] += us / 1e3 / 2
+            start = ev.time_range.start / 1e3
+            end = ev.time_range.end / 1e3
+            lo_hi = spans.setdefault(stream, [start, end])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], start), max(lo_hi[1], end)
+        out["gpu_ms_by_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
+        out["gpu_busy_ms_by_stream"] = dict(sorted(by_stream.items(), key=lambda kv: -kv[1]))
+    sess.teardown()
+    return out
+
+
+def render(out: dict[str, Any]) -> None:
+    print(f"{out['workload']} {out['config']} on {out['device']}")
+    print(f"  step wall {out['wall_ms_median']:.2f} ms (all: {', '.join(f'{x:.1f}' for x in out['wall_ms'])})")
+    print(f"  host enqueue {out['enqueue_ms_median']:.2f} ms per step")
+    print(f"  engine stall {out['stall_ms_per_step']:.2f} ms/step, H2D {out['h2d_gb_per_step']:.3f} GB/step, "
+          f"predicted {out['predicted_step_ms']}, measured cycle {out['measured_step_ms']}")
+    print(f"  plan {out['plan']}")
+    for key in ("gpu_ms_by_kind", "gpu_busy_ms_by_stream"):
+        if key in out:
+            print(f"  {key} (per step): " + ", ".join(f"{k} {v:.2f}" for k, v in out[key].items()))
+    print("  per unit (totals over every step so far):")
+    for u in out["units"]:
+        times = " ".join(f"{k[:-3]} {v:.2f}" for k, v in u.items() if k.endswith("_ms"))
+        print(f"    {u['name'][:48]:48s} {u['bytes'] / 1e6:9.1f} MB  {times}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.timeline", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="p1", help="p1, p2 or p3")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an OffloadConfig override (repeatable)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    render(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
