@@ -117,8 +117,11 @@ def _vram_bound(r: dict[str, Any], meta: dict[str, Any]) -> None:
         # our planner spends the budget on the slot ring and the resident units together
         bound, basis = budget + act, "vram_budget + activations"
     else:
-        bound = (prefetch + 1) * largest + resident + act
+        staging = (r.get("stats") or {}).get("staging_bytes") or 0
+        bound = (prefetch + 1) * largest + resident + staging + act
         basis = "(prefetch+1) x largest unit + resident + activations"
+        if staging:
+            basis = basis.replace(" + activations", " + 2 fp8 staging buffers + activations")
     peak = r["peak_vram_bytes"] - r.get("vram_baseline_bytes", 0)
     r["vram_bound_bytes"] = bound
     r["vram_bound_basis"] = basis

@@ -173,25 +173,28 @@ def measure_ceilings(device: torch.device, nbytes: int, repeats: int = 10) -> di
 # ---- copies seen by the profiler --------------------------------------------------------------
 
 
-def parse_trace_copies(trace: dict[str, Any]) -> dict[str, int]:
+def parse_trace_copies(trace: dict[str, Any]) -> dict[str, Any]:
     """Sum the bytes and count of memcpy events in a Chrome trace written by torch.profiler (kineto)."""
-    out = {"h2d_bytes": 0, "h2d_count": 0, "d2h_bytes": 0, "d2h_count": 0}
+    out: dict[str, Any] = {"h2d_bytes": 0, "h2d_count": 0, "d2h_bytes": 0, "d2h_count": 0, "h2d_ms": 0.0, "d2h_ms": 0.0}
     for ev in trace.get("traceEvents", []):
         if ev.get("cat") != "gpu_memcpy":
             continue
         name = ev.get("name", "")
         nbytes = int((ev.get("args") or {}).get("bytes", 0))
+        ms = float(ev.get("dur", 0.0)) / 1e3
         if "HtoD" in name:
             out["h2d_bytes"] += nbytes
             out["h2d_count"] += 1
+            out["h2d_ms"] += ms
         elif "DtoH" in name:
             out["d2h_bytes"] += nbytes
             out["d2h_count"] += 1
+            out["d2h_ms"] += ms
     return out
 
 
-def profile_copies(step: Callable[[], Any], device: torch.device) -> dict[str, int] | None:
-    """Run `step` once under torch.profiler and count the H2D / D2H bytes the GPU really copied."""
+def profile_copies(step: Callable[[], Any], device: torch.device) -> dict[str, Any] | None:
+    """Run `step` once under torch.profiler: the H2D / D2H bytes the GPU really copied, and the copies' ms."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile

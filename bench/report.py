@@ -125,9 +125,12 @@ def format_notes(rows: list[dict[str, Any]]) -> list[str]:
             bits.append(f"rel L2 error vs bf16 resident {r['rel_l2_err']:.2e}")
         if r.get("vram_within_bound") is not None:
             bits.append(f"peak VRAM {'within' if r['vram_within_bound'] else 'OVER'} {r['vram_bound_basis']} ({r['vram_bound_bytes'] / 1e9:.2f} GB)")
-        prof, eng = r.get("profiler"), r.get("h2d_bytes_per_step")
-        if prof and r.get("h2d_source") == "engine" and eng:
-            bits.append(f"engine H2D counter / profiler = {eng / max(prof['h2d_bytes'], 1):.4f}")
+        prof, eng = r.get("profiler"), r.get("profiled_engine")
+        if prof and eng and prof.get("h2d_bytes"):
+            bits.append(f"engine / profiler over one step: H2D bytes {eng['h2d_bytes'] / prof['h2d_bytes']:.4f}"
+                        + (f", H2D ms {eng['h2d_ms'] / prof['h2d_ms']:.4f}" if prof.get("h2d_ms") else ""))
+        elif prof and r.get("h2d_source") == "engine" and r.get("h2d_bytes_per_step"):
+            bits.append(f"engine H2D counter / profiler = {r['h2d_bytes_per_step'] / max(prof['h2d_bytes'], 1):.4f}")
         if r.get("vram_after_teardown_bytes") and r.get("vram_baseline_bytes") is not None and r["vram_after_teardown_bytes"] > r["vram_baseline_bytes"]:
             bits.append(f"{(r['vram_after_teardown_bytes'] - r['vram_baseline_bytes']) / 1e6:.1f} MB of VRAM left after teardown")
         if bits:

@@ -192,9 +192,17 @@ def run_variant(
         if profile and device.type == "cuda":
             # One extra step under the profiler: the bytes the GPU really copied (after the timed
             # steps, so it costs them nothing), to check the engine's counters and to size peers.
+            before = sess.stats() if sess.stats else None
             copies = profile_copies(step, device)
+            after = sess.stats() if sess.stats else None
             if copies is not None:
                 row["profiler"] = copies
+                if before and after and isinstance(after.get("h2d_ms"), (int, float)):
+                    # the engine's own counters over exactly the profiled step
+                    row["profiled_engine"] = {
+                        "h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
+                        "h2d_ms": after["h2d_ms"] - before["h2d_ms"],
+                    }
                 if row.get("h2d_bytes_per_step") is None:
                     row["h2d_bytes_per_step"] = copies["h2d_bytes"]
                     row["d2h_bytes_per_step"] = copies["d2h_bytes"]

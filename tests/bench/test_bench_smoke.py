@@ -76,10 +76,11 @@ def test_profiler_trace_copies_are_summed_by_direction() -> None:
     from bench.measure import parse_trace_copies
 
     trace = {"traceEvents": [
-        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"bytes": 1000}},
-        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "args": {"bytes": 24}},
-        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "args": {"bytes": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"bytes": 1000}, "dur": 1500.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "args": {"bytes": 24}, "dur": 500.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "args": {"bytes": 7}, "dur": 250.0},
         {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "args": {"bytes": 99}},
         {"cat": "kernel", "name": "gemm", "args": {}},
     ]}
-    assert parse_trace_copies(trace) == {"h2d_bytes": 1024, "h2d_count": 2, "d2h_bytes": 7, "d2h_count": 1}
+    assert parse_trace_copies(trace) == {"h2d_bytes": 1024, "h2d_count": 2, "d2h_bytes": 7, "d2h_count": 1,
+                                         "h2d_ms": 2.0, "d2h_ms": 0.25}
