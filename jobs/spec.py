@@ -136,6 +136,9 @@ class OffloadSpec(_Strict):
     offload_ratio: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fraction of units streamed.")
     vram_budget: Optional[Bytes] = Field(None, description="Bytes or a size like '7.5GiB'.")
     prefetch: Optional[int] = Field(None, ge=0, description="Prefetch depth in units.")
+    stray_resident_fraction: Optional[float] = Field(
+        None, ge=0.0, le=1.0,
+        description="Tensors outside the block lists stay resident when at most this share of the streamed bytes.")
     lazy_load: Optional[bool] = None
     offload_to_disk: Optional[bool] = None
     shard_dir: Optional[str] = None

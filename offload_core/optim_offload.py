@@ -30,13 +30,14 @@ __all__ = ["OptimizerOffload"]
 
 class _Trainable:
     __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "has_grad", "stepped",
-                 "micro", "hook", "twin", "twin_param", "group")
+                 "micro", "hook", "twin", "twin_param", "group", "direct")
 
     def __init__(self, **kw: Any) -> None:
         self.has_grad = False
         self.stepped = False
         self.micro = 0
         self.twin = self.twin_param = self.group = None
+        self.direct = False  # the gradient is used from the staging buffer, with no accumulator copy
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -113,6 +114,9 @@ class OptimizerOffload:
             it.staging = self._staging_buf[off: off + ts.nbytes].view(ts.dtype).view(ts.shape)
             off += ts.nbytes
             it.acc = torch.empty(ts.shape, dtype=torch.float32)
+            # Overlapped fp32 steps with no accumulation read the landed gradient where it landed:
+            # one host copy of every gradient fewer (the step is CPU-bound).
+            it.direct = self.overlap and self.accumulation == 1 and ts.dtype == torch.float32
             it.group = groups.get(id(it.param))
             it.hook = it.param.register_post_accumulate_grad_hook(self._make_grad_hook(it))
         self.worker = _Worker()
@@ -152,6 +156,11 @@ class OptimizerOffload:
     def _land(self, it: _Trainable, done: Any) -> None:
         if done is not None:
             done.synchronize()
+        if it.direct:
+            it.has_grad = True
+            it.micro += 1
+            self._step_one(it)
+            return
         if it.has_grad:
             it.acc.add_(it.staging)
         else:
@@ -171,7 +180,7 @@ class OptimizerOffload:
             it.twin.state[it.twin_param] = opt.state[it.param]  # one state, seen by both
         else:
             it.twin.param_groups[0].update(hp)
-        it.twin_param.grad = it.acc
+        it.twin_param.grad = it.staging if it.direct else it.acc
         it.twin.step()
         it.twin_param.grad = None
         it.stepped = True
@@ -228,7 +237,7 @@ class OptimizerOffload:
         self.worker.wait()
         for it in self.items:
             it.param.data = it.master
-            it.param.grad = it.acc if (it.has_grad or it.stepped) else None
+            it.param.grad = (it.staging if it.direct else it.acc) if (it.has_grad or it.stepped) else None
         self._on_host = True
 
     def stats(self) -> dict[str, Any]:
@@ -249,7 +258,7 @@ class OptimizerOffload:
             it.hook.remove()
             if it.master is not self.engine.arena.view(it.unit, it.index):
                 self.engine.arena.view(it.unit, it.index).copy_(it.master)
-            it.param._offload_grad = it.acc.clone() if it.has_grad else None
+            it.param._offload_grad = (it.staging if it.direct else it.acc).clone() if it.has_grad else None
             it.param.grad = None
         self.engine._cycle_callbacks.remove(self._take_back)
         if self._pinned:

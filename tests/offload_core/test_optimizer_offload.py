@@ -34,15 +34,17 @@ def _check_masters(model: torch.nn.Module) -> None:
             assert p.data.numel() == 0, f"frozen {name} holds {p.data.numel()} elements between uses"
 
 
-def _run(name: str, mode: str, checkpointing: bool, accum: int, threshold: float | None, steps: int = STEPS) -> None:
+def _run(name: str, mode: str, checkpointing: bool, accum: int, threshold: float | None, steps: int = STEPS,
+         overlap: bool = False) -> None:
     case = CASES[name]
     a = case.build(mode, checkpointing=checkpointing)
     b = copy.deepcopy(a)
     ref, ref_state = reference(case, a, mode=mode, checkpointing=checkpointing, steps=steps, accum=accum)
 
     opt = make_optimizer(b)  # before the manager, on model.parameters()
+    extra = dict(optimizer=opt, overlap_optimizer_step=True, gradient_accumulation_steps=accum) if overlap else {}
     mgr = OffloadTrainingManager(b, target_device="cpu", enable_optimizer_cpu_offload=True,
-                                 cpu_offload_split_threshold=threshold)
+                                 cpu_offload_split_threshold=threshold, **extra)
 
     def after_backward() -> None:
         mgr.after_backward()
@@ -85,6 +87,14 @@ def test_with_split_threshold(name: str, checkpointing: bool, accum: int) -> Non
 @pytest.mark.parametrize("name", ["tied", "called_twice", "batchnorm", "orphan_param", "hetero"])
 def test_tricky_tree_full_finetune(name: str, checkpointing: bool, accum: int) -> None:
     _run(name, "full", checkpointing, accum, threshold=0.01 if accum == 4 else None)
+
+
+@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("name,mode", [("toy", "full"), ("flux", "adapter")])
+def test_overlapped_step(name: str, mode: str, accum: int) -> None:
+    # Each parameter stepped by the worker as soon as its (last micro-batch) gradient lands; with
+    # accumulation 1 the fp32 gradient is read from its staging buffer directly.
+    _run(name, mode, False, accum, threshold=None, steps=8, overlap=True)
 
 
 def test_trainable_bytes_are_streamed() -> None:
