@@ -39,6 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help=f"comma list of variants: {', '.join(ALL_VARIANTS)}")
     p.add_argument("--ceiling-gb", type=float, default=None, help="size of the pinned tensor for the H2D ceiling")
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled step per variant")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="after each of our variants, N rounds of one resident step then one of ours (default 0: off)")
     p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="P2's LoRA weight dtype (default bf16)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
     return p.parse_args(argv)
@@ -57,6 +59,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
         bad = [v for v in only if v not in ALL_VARIANTS]
         if bad:
             raise UsageError(f"--only: unknown variant {bad[0]!r} (choose from {', '.join(ALL_VARIANTS)})")
+    if args.paired < 0:
+        raise UsageError(f"--paired: must be >= 0, got {args.paired}")
     for key in ("repeats", "warmup"):
         v = getattr(args, key)
         if v is not None and v < (1 if key == "repeats" else 0):
@@ -139,9 +143,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"  {variant.name} ...")
             kw = dict(warmup=warmup, repeats=repeats, ref=ref)
             if variant.name == "ours-tuned":
-                row = run_tuned(wl, master, inputs, device, log=log, **kw)
+                row = run_tuned(wl, master, inputs, device, log=log, paired=args.paired, **kw)
             else:
-                row = run_variant(wl, master, inputs, variant, device, profile=not args.no_profile, **kw)
+                row = run_variant(wl, master, inputs, variant, device, profile=not args.no_profile,
+                                  paired=args.paired, **kw)
             reference = row.pop("_reference", None)
             if variant.name == "resident" and reference is not None:
                 ref = reference

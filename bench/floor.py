@@ -75,6 +75,7 @@ def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling
         if r.get("status") != "ok":
             continue
         floor = meta["floor_ms"]
+        bytes_ms = meta["bytes_ms"]
         basis = "workload floor"
         streamed = (r.get("stats") or {}).get("streamed_bytes")
         if r.get("family") == "ours" and isinstance(streamed, (int, float)):
@@ -83,7 +84,8 @@ def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling
             # sticky units lower it; never higher than the workload floor.
             crossings = meta["h2d_crossings"] + meta["d2h_crossings"]
             own = min(streamed * crossings, meta["must_cross_bytes"])
-            floor = max(meta["resident_ms"] or 0.0, _ms(own, gbps))
+            bytes_ms = _ms(own, gbps)
+            floor = max(meta["resident_ms"] or 0.0, bytes_ms)
             basis = "own floor: streamed bytes x crossings"
             if r.get("config", {}).get("weight_dtype") == "float8_e4m3fn":
                 basis = "own bf16 floor: streamed bytes (bf16) x crossings"
@@ -92,6 +94,11 @@ def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling
         r["x_floor"] = r["time_ms"] / floor if floor else None
         r["x_workload_floor"] = r["time_ms"] / meta["floor_ms"] if meta.get("floor_ms") else None
         r["x_resident"] = r["time_ms"] / meta["resident_ms"] if meta.get("resident_ms") else None
+        pr = r.get("paired")
+        if pr:
+            # the same floor, with the resident time taken in turn with ours (see runner._paired)
+            r["floor_paired_ms"] = max(pr["resident_median_ms"], bytes_ms)
+            r["x_floor_paired"] = pr["ours_median_ms"] / r["floor_paired_ms"]
         target = TARGETS.get((r["workload"], r["variant"]))
         if target is not None:
             r["target_x_floor"] = target

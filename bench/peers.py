@@ -16,7 +16,7 @@ from torch import nn
 
 from .workloads import Workload
 
-__all__ = ["NotApplicable", "Session", "Variant", "ours_variant", "variants_for"]
+__all__ = ["NotApplicable", "Session", "Variant", "ours_variant", "resident_variant", "variants_for"]
 
 
 class NotApplicable(Exception):
@@ -49,6 +49,10 @@ def _resident(model: nn.Module, wl: Workload, device: torch.device) -> Session:
     model.to(device)
     opt = wl.make_optimizer(model) if wl.train else None
     return Session(model=model, optimizer=opt, note="plain AdamW on the device" if wl.optimizer_offload else "")
+
+
+def resident_variant(name: str = "resident") -> Variant:
+    return Variant(name, _resident, "resident")
 
 
 # ---- ours -------------------------------------------------------------------------------------

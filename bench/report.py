@@ -7,7 +7,7 @@ from typing import Any, Callable
 __all__ = ["format_header", "format_markdown", "format_table", "render"]
 
 COLUMNS = [
-    "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "target", "peak GB", "H2D GB/step",
+    "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "x floor paired", "target", "peak GB", "H2D GB/step",
     "RSS/W", "pin/W", "setup s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
 ]
 
@@ -51,6 +51,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _f(r.get("x_resident")),
         _f(r.get("x_floor")),
         _f(r.get("x_workload_floor")),
+        _f(r.get("x_floor_paired")),
         tgt,
         _f(peak),
         h2d_s,
@@ -121,6 +122,9 @@ def format_notes(rows: list[dict[str, Any]]) -> list[str]:
             bits.append("chose " + ", ".join(f"{k}={v}" for k, v in r["config"].items() if k in ("prefetch", "offload_granularity")))
         if r.get("floor_basis") and r["floor_basis"] != "workload floor":
             bits.append(f"floor {r['floor_ms']:.2f} ms ({r['floor_basis']})")
+        if r.get("paired"):
+            pr = r["paired"]
+            bits.append(f"paired x{pr['rounds']}: resident {pr['resident_median_ms']:.2f} ms, ours {pr['ours_median_ms']:.2f} ms")
         if r.get("rel_l2_err") is not None and r.get("bitwise_equal") is None:
             bits.append(f"rel L2 error vs bf16 resident {r['rel_l2_err']:.2e}")
         if r.get("vram_within_bound") is not None:
@@ -164,6 +168,7 @@ def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
             echo("  " + line)
     echo("")
     echo("x floor: time / the row's floor (ours: its own, from the bytes it streams).  x wl floor: time / the workload floor.")
+    echo("x floor paired: ours / max(resident, own bytes floor), with resident and ours timed in turn (--paired).")
     echo("H2D GB/step: from the engine's counters, or * from torch.profiler.")
     echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
     echo(format_table(result["rows"]))

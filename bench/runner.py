@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 import traceback
 from typing import Any
@@ -13,7 +14,7 @@ from torch import nn
 
 from .measure import free_device, host_rss, profile_copies, sync, time_steps
 from .models import tensor_bytes
-from .peers import TUNE_GRID, NotApplicable, Session, Variant, ours_variant
+from .peers import TUNE_GRID, NotApplicable, Session, Variant, ours_variant, resident_variant
 from .workloads import Workload
 
 __all__ = ["Reference", "run_variant", "run_tuned"]
@@ -124,6 +125,7 @@ def run_variant(
     repeats: int,
     ref: Reference | None,
     profile: bool = True,
+    paired: int = 0,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"workload": wl.name, "variant": variant.name, "family": variant.family, "config": dict(variant.config)}
     weight_bytes = tensor_bytes(master)
@@ -207,6 +209,8 @@ def run_variant(
                     row["h2d_bytes_per_step"] = copies["h2d_bytes"]
                     row["d2h_bytes_per_step"] = copies["d2h_bytes"]
                     row["h2d_source"] = "profiler"
+        if paired > 0 and variant.family == "ours":
+            row["paired"] = _paired(wl, master, inputs, device, step, paired)
         row["status"] = "ok"
     except NotApplicable as e:
         row.update(status="n/a", reason=str(e))
@@ -226,6 +230,31 @@ def run_variant(
     return row
 
 
+def _paired(wl: Workload, master: nn.Module, inputs: dict[str, torch.Tensor], device: torch.device,
+            step: Any, rounds: int) -> dict[str, Any]:
+    """Resident and this variant, one step each in turn: the same moment of the machine for both.
+
+    Slow drifts (clocks, a busy host) move both sides alike, so the ratio of the two medians is
+    steadier than a ratio of medians taken minutes apart.
+    """
+    sess = resident_variant().setup(copy.deepcopy(master), wl, device)
+    try:
+        res_step = _step_fn(wl, sess, inputs)
+        res_step()  # the resident copy's own warm-up
+        res_ms, ours_ms = [], []
+        for _ in range(rounds):
+            t, _ = time_steps(res_step, device, 1)
+            res_ms.append(t.wall_ms[0])
+            t, _ = time_steps(step, device, 1)
+            ours_ms.append(t.wall_ms[0])
+    finally:
+        sess.teardown()
+        sess = None
+    med_res, med_ours = statistics.median(res_ms), statistics.median(ours_ms)
+    return {"rounds": rounds, "resident_ms": res_ms, "ours_ms": ours_ms, "resident_median_ms": med_res,
+            "ours_median_ms": med_ours, "x_resident": med_ours / med_res}
+
+
 def run_tuned(
     wl: Workload,
     master: nn.Module,
@@ -236,6 +265,7 @@ def run_tuned(
     repeats: int,
     ref: Reference | None,
     log: Any = print,
+    paired: int = 0,
 ) -> dict[str, Any]:
     """Sweep prefetch x granularity quickly, then measure the best setting in full as 'ours-tuned'."""
     sweep = []
@@ -252,7 +282,8 @@ def run_tuned(
     ranked = [cfg for _, cfg in sorted(ok, key=lambda t: t[0])]
     failed = []
     for cfg in ranked[:2]:  # a failure of the full run is reported, and the runner-up measured instead
-        row = run_variant(wl, master, inputs, ours_variant("ours-tuned", **cfg), device, warmup=warmup, repeats=repeats, ref=ref)
+        row = run_variant(wl, master, inputs, ours_variant("ours-tuned", **cfg), device, warmup=warmup, repeats=repeats,
+                          ref=ref, paired=paired)
         if row["status"] == "ok":
             break
         failed.append({"config": cfg, "reason": row.get("reason")})

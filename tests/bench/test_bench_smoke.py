@@ -21,7 +21,7 @@ WORKLOADS = ("p1", "p2", "p3")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "out.json"
     cmd = [sys.executable, "-m", "bench", "--tiny", "--device", "cpu", "--workloads", ",".join(WORKLOADS),
-           "--only", "resident,ours", "--json", str(out)]
+           "--only", "resident,ours", "--paired", "2", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "workload" in proc.stdout and "x floor" in proc.stdout  # the table is printed
@@ -84,3 +84,25 @@ def test_profiler_trace_copies_are_summed_by_direction() -> None:
     ]}
     assert parse_trace_copies(trace) == {"h2d_bytes": 1024, "h2d_count": 2, "d2h_bytes": 7, "d2h_count": 1,
                                          "h2d_ms": 2.0, "d2h_ms": 0.25}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_paired_rounds_time_resident_and_ours_in_turn(result: dict, workload: str) -> None:
+    row = _row(result, workload, "ours")
+    pr = row["paired"]
+    assert pr["rounds"] == 2 and len(pr["resident_ms"]) == 2 and len(pr["ours_ms"]) == 2
+    assert all(math.isfinite(t) and t > 0 for t in pr["resident_ms"] + pr["ours_ms"])
+    assert row["x_floor_paired"] == pytest.approx(pr["ours_median_ms"] / row["floor_paired_ms"])
+    assert "paired" not in _row(result, workload, "resident")
+
+
+def test_bench_timeline_explains_a_step(tmp_path: Path) -> None:
+    out = tmp_path / "tl.json"
+    cmd = [sys.executable, "-m", "bench.timeline", "--tiny", "--device", "cpu", "--workload", "p2",
+           "--set", "vram_budget=0.5", "--steps", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert len(data["wall_ms"]) == 2 and data["h2d_gb_per_step"] >= 0
+    assert data["plan"]["chosen_by"] == "measured"
+    assert data["units"] and all("h2d_ms" in u for u in data["units"] if u["streamed"])
