@@ -107,7 +107,8 @@ class OffloadEngine:
         if store is not None:
             for u in self.streamed:
                 for ts in u.tensors:
-                    if not ts.trainable and eligible(ts.tensor(), store):
+                    # weights only: buffers (positional tables, running stats) keep their dtype
+                    if ts.is_param and not ts.trainable and eligible(ts.tensor(), store):
                         ts.store_dtype = store
                 u.layout()
 
@@ -140,6 +141,7 @@ class OffloadEngine:
         raw_bytes = max((u.store_nbytes for u in self.streamed if u.converted), default=0)
         self._raw = [torch.empty(raw_bytes, dtype=torch.uint8, device=self.device) for _ in range(2 if raw_bytes else 0)]
         self._raw_free: list[Any] = [None, None]
+        self._src_views: dict[tuple[int, int], tuple] = {}
         self._raw_turn = 0
         if self.use_streams:
             self.h2d_stream = torch.cuda.Stream(self.device)
@@ -434,7 +436,7 @@ class OffloadEngine:
                 conv = self.convert_stream
                 conv.wait_event(ready)
                 with torch.cuda.stream(conv):
-                    self._widen(u, dst, slot)
+                    self._widen(u, b, slot)
                     ready = torch.cuda.Event()
                     ready.record(conv)
                 self._raw_free[b] = ready
@@ -449,7 +451,7 @@ class OffloadEngine:
             if a is not None:
                 self.timing.add("h2d", u.uid, a, self._mark())
             if u.converted:
-                self._widen(u, dst, slot)
+                self._widen(u, 0, slot)
             slot.ready = None
         self.counters.h2d_bytes += u.store_nbytes
         self.counters.h2d_count += 1
@@ -516,23 +518,26 @@ class OffloadEngine:
         )
         return res
 
-    @staticmethod
-    def _widen(u: Unit, raw: torch.Tensor, slot: Slot) -> None:
-        """Fill the slot from the raw copy: a few multi-tensor kernels per unit, not two per tensor."""
-        srcs, dsts, scaled, scales = [], [], [], []
-        for ts in u.tensors:
-            src = raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
-            dst = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
-            srcs.append(src)
-            dsts.append(dst)
-            if ts.scale is not None:
-                scaled.append(dst)
-                scales.append(ts.scale)
+    def _widen(self, u: Unit, b: int, slot: Slot) -> None:
+        """Fill the slot from raw buffer b: a few multi-tensor kernels per unit, not two per tensor."""
+        # Views of the engine's own raw buffers are made once per (unit, buffer); views of a slot
+        # are made per load (a cached one would hold the slot's storage and keep it from reuse).
+        src = self._src_views.get((u.uid, b))
+        if src is None:
+            raw = self._raw[b]
+            srcs = [raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
+                    for ts in u.tensors]
+            scaled_idx = [i for i, ts in enumerate(u.tensors) if ts.scale is not None]
+            src = self._src_views[(u.uid, b)] = (srcs, scaled_idx, [u.tensors[i].scale for i in scaled_idx])
+        srcs, scaled_idx, scales = src
+        buf = slot.buf
+        dsts = [buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape) for ts in u.tensors]
+        scaled = [dsts[i] for i in scaled_idx]
         torch._foreach_copy_(dsts, srcs)
         # quant.widen's arithmetic exactly: the product in fp32 (opmath), rounded once. On CUDA one
         # multi-tensor kernel does that; on the CPU _foreach_mul_ with a scalar list rounds
         # differently, so there each tensor gets its own mul_.
-        if scaled and raw.is_cuda:
+        if scaled and buf.is_cuda:
             torch._foreach_mul_(scaled, scales)
         else:
             for dst, scale in zip(scaled, scales):

@@ -42,7 +42,8 @@ def widen(stored: torch.Tensor, scale: float | None, dtype: torch.dtype, out: to
 def eligible(t: torch.Tensor, store: torch.dtype) -> bool:
     """Floating matrices (and conv kernels) whose dtype differs; norms and biases keep theirs.
 
-    The engine asks only for streamed frozen tensors; trainable ones are never stored narrower.
+    The engine asks only for streamed frozen parameters: trainable ones and buffers (positional
+    tables, running stats) are never stored narrower, as ``fake_quantize`` mirrors.
     """
     return t.is_floating_point() and t.dim() >= 2 and t.dtype != store
 
