@@ -183,8 +183,7 @@ class OffloadEngine:
                 obj = ts.tensor()
                 with torch.no_grad():
                     if ts.store_dtype is not None:
-                        q, ts.scale = quantize(obj.data, ts.store_dtype)
-                        self.arena.view(u, i).copy_(q)
+                        _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.arena.view(u, i))
                     else:
                         self.arena.view(u, i).copy_(obj.data)
                 obj.data = self.placeholder_for(ts, obj)

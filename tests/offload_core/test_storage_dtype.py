@@ -52,3 +52,18 @@ def test_bf16_storage_of_an_fp32_model() -> None:
     st = h.stats()
     assert st["pinned_used_bytes"] <= 0.55 * st["streamed_bytes"]
     h.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_fp8_quantize_is_the_plain_formula(dtype: torch.dtype) -> None:
+    from offload_core.quant import FP8_MAX, quantize
+
+    torch.manual_seed(0)
+    w = (torch.randn(37, 101) * 3).to(dtype)
+    w[5, 7] = -50.0  # the amax is a negative number
+    scale = w.abs().max().float().item() / FP8_MAX
+    want = (w.float() / scale).to(torch.float8_e4m3fn)
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    got, s = quantize(w, torch.float8_e4m3fn, out=out, chunk=64)  # many chunks, a ragged last one
+    assert got is out and s == scale
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
