@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lo_hi = spans.setdefault(stream, [start, end])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], start), max(lo_hi[1], end)
         out["gpu_ms_by_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
+        if args.cpu_top:
+            # where the host's time goes (per step): the ops it spends the most self time in
+            rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[: args.cpu_top]
+            out["host_top_ops"] = [{"op": a.key, "calls_per_step": a.count / 2,
+                                    "self_cpu_ms_per_step": a.self_cpu_time_total / 1e3 / 2} for a in rows]
         out["gpu_busy_ms_by_stream"] = dict(sorted(by_stream.items(), key=lambda kv: -kv[1]))
     sess.teardown()
     return out
@@ -141,6 +146,10 @@ def render(out: dict[str, Any]) -> None:
     for key in ("gpu_ms_by_kind", "gpu_busy_ms_by_stream"):
         if key in out:
             print(f"  {key} (per step): " + ", ".join(f"{k} {v:.2f}" for k, v in out[key].items()))
+    if out.get("host_top_ops"):
+        print("  host ops by self CPU time (per step):")
+        for a in out["host_top_ops"]:
+            print(f"    {a['op'][:60]:60s} {a['calls_per_step']:8.0f} calls {a['self_cpu_ms_per_step']:8.2f} ms")
     print("  per unit (totals over every step so far):")
     for u in out["units"]:
         times = " ".join(f"{k[:-3]} {v:.2f}" for k, v in u.items() if k.endswith("_ms"))
@@ -156,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--cpu-top", type=int, default=0, metavar="N", help="also list the N host ops with the most self CPU time")
     args = p.parse_args(argv)
     out = run(args)
     if args.json_path:
