@@ -521,6 +521,9 @@ class OffloadEngine:
         """Fill the slot from raw buffer b: a few multi-tensor kernels per unit, not two per tensor."""
         # Views of the engine's own raw buffers are made once per (unit, buffer); views of a slot
         # are made per load (a cached one would hold the slot's storage and keep it from reuse).
+        if u.widen_plan is not None:
+            self._widen_block(u, b, slot)
+            return
         src = self._src_views.get((u.uid, b))
         if src is None:
             raw = self._raw[b]
@@ -541,6 +544,31 @@ class OffloadEngine:
         else:
             for dst, scale in zip(scaled, scales):
                 dst.mul_(scale)
+
+    def _widen_block(self, u: Unit, b: int, slot: Slot) -> None:
+        """The narrow tensors lie first and proportionally (Unit.layout): one conversion kernel
+        for all of them, one byte copy for the rest, one multi-tensor kernel for the scales."""
+        dtype, store, head, shead, sizes, conv_idx = u.widen_plan
+        cached = self._src_views.get((u.uid, b))
+        if cached is None:
+            raw = self._raw[b]
+            scaled_k = [k for k, i in enumerate(conv_idx) if u.tensors[i].scale is not None]
+            cached = self._src_views[(u.uid, b)] = (
+                raw[:shead].view(store), raw[shead: shead + u.nbytes - head], scaled_k,
+                [u.tensors[conv_idx[k]].scale for k in scaled_k])
+        src, tail, scaled_k, scales = cached
+        dst = slot.buf[:head].view(dtype)
+        dst.copy_(src)
+        if tail.numel():
+            slot.buf[head: u.nbytes].copy_(tail)
+        if scaled_k:
+            parts = dst.split(sizes)  # tensor, gap, tensor, gap, ...: flat views of each tensor
+            scaled = [parts[2 * k] for k in scaled_k]
+            if dst.is_cuda:
+                torch._foreach_mul_(scaled, scales)
+            else:  # see _widen: on the CPU each tensor gets its own mul_
+                for t, sc in zip(scaled, scales):
+                    t.mul_(sc)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:

@@ -30,8 +30,12 @@ __all__ = ["TensorSlot", "Unit", "UnitPlan", "discover_units", "ALIGN"]
 ALIGN = 64
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Unit:
     store_nbytes: int = 0  # slab bytes in the storage layout (smaller with fp8)
     streamed: bool = True  # packed in the host arena (False: moved to the device once, for good)
     trainable: bool = False  # holds trainable params (only streamed with optimizer offload)
+    widen_plan: tuple | None = None  # set by layout(): the one-kernel widening (see layout)
     stray: bool = False  # block/phase granularity: tensors outside the block lists (embedders, heads)
     sticky: bool = False  # streamed, but the planner keeps it in a device buffer of its own
 
@@ -80,6 +85,35 @@ class Unit:
         return any(t.store_dtype is not None for t in self.tensors)
 
     def layout(self) -> None:
+        """Offsets of every tensor in the slot (compute dtype) and in the slab (storage dtype).
+
+        When every narrower-stored tensor shares one (compute, storage) dtype pair, those tensors
+        come first, at slab offsets proportional to their slot offsets: then one conversion kernel
+        widens them all and one byte copy moves the rest (``widen_plan``), instead of a kernel per
+        tensor.
+        """
+        self.widen_plan = None
+        conv = [t for t in self.tensors if t.store_dtype is not None]
+        pairs = {(t.dtype, t.store_dtype) for t in conv}
+        if len(pairs) == 1:
+            dtype, store = next(iter(pairs))
+            ratio, rem = divmod(_esize(dtype), _esize(store))
+            if ratio >= 1 and rem == 0:
+                off = 0
+                sizes: list[int] = []  # slot elements: tensor, gap, tensor, gap, ...
+                for t in conv:
+                    t.offset, t.store_offset = off, off // ratio
+                    end = _align(off + t.nbytes, ALIGN * ratio)
+                    sizes += [t.nbytes // _esize(dtype), (end - off - t.nbytes) // _esize(dtype)]
+                    off = end
+                head, shead = off, off // ratio
+                for t in self.tensors:
+                    if t.store_dtype is None:
+                        t.offset, t.store_offset = off, shead + (off - head)
+                        off = _align(off + t.nbytes)
+                self.nbytes, self.store_nbytes = off, shead + (off - head)
+                self.widen_plan = (dtype, store, head, shead, sizes, [self.tensors.index(t) for t in conv])
+                return
         off = soff = 0
         for t in self.tensors:
             t.offset, t.store_offset = off, soff
