@@ -18,7 +18,7 @@ fi
 export PYTHONUNBUFFERED=1
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" >&2
 nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current,clocks.sm,memory.total --format=csv >&2 || true
-"$PY" -m bench --workloads p1,p2,p3 --device cuda --warmup 3 --repeats 10 \
+"$PY" -m bench --workloads p1,p2,p3 --device cuda --warmup 3 --repeats 10 --paired 10 \
     --json bench-h200.json --md bench-h200.md "$@"
 if [ -n "${OUT:-}" ]; then
     cp bench-h200.json bench-h200.md "$OUT"/
