@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .peers import ours_variant
+from .runner import _step_fn
 from .workloads import get_workload
 
 __all__ = ["main"]
@@ -58,18 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = wl.build()
     inputs = wl.make_inputs(device)
     sess = ours_variant("ours", **cfg).setup(model, wl, device)
-
-    def step() -> None:
-        if wl.train:
-            loss = wl.loss(sess.model, inputs)
-            loss.backward()
-            if sess.after_backward is not None:
-                sess.after_backward()
-            sess.optimizer.step()
-            sess.optimizer.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                wl.forward(sess.model, inputs)
+    step = _step_fn(wl, sess, inputs)
 
     def sync() -> None:
         if device.type == "cuda":

@@ -57,7 +57,7 @@ class OffloadHandle:
             slot_count=len(e.ring.slots),
             slot_bytes=e.ring.slot_bytes,
             slot_grows=e.ring.grows,
-            staging_bytes=sum(b.numel() for b in e._raw),  # fp8/bf16 storage: raw copies widened into slots
+            staging_bytes=e.widener.staging_bytes,  # fp8/bf16 storage: raw copies widened into slots
             h2d_bytes=c.h2d_bytes,
             h2d_count=c.h2d_count,
             d2h_bytes=c.d2h_bytes,

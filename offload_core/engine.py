@@ -28,8 +28,8 @@ from torch import nn
 from .arena import PinnedArena, trim_host_heap
 from .config import OffloadConfig
 from .errors import DeviceUnavailableError, NotAModuleError
-from .planner import choose, plan_residency, ring_slots, simulate
-from .quant import eligible, quantize, storage_dtype, widen
+from .planner import measured_prediction, plan_residency, replan_from_measurements, ring_slots
+from .quant import UnitWidener, eligible, quantize, storage_dtype, widen
 from .schedule import Schedule
 from .slots import Slot, SlotRing
 from .stats import Counters, TimingLog
@@ -138,15 +138,13 @@ class OffloadEngine:
         self.schedule = Schedule(config.prefetch)
         # Units stored in another dtype land in a raw buffer and are widened into their slot;
         # two raw buffers let the next copy overlap the current widening.
-        raw_bytes = max((u.store_nbytes for u in self.streamed if u.converted), default=0)
-        self._raw = [torch.empty(raw_bytes, dtype=torch.uint8, device=self.device) for _ in range(2 if raw_bytes else 0)]
+        self.widener = UnitWidener(self.streamed, self.device)
         self._raw_free: list[Any] = [None, None]
-        self._src_views: dict[tuple[int, int], tuple] = {}
         self._raw_turn = 0
         if self.use_streams:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
-            self.convert_stream = torch.cuda.Stream(self.device) if raw_bytes else None
+            self.convert_stream = torch.cuda.Stream(self.device) if self.widener.raw else None
         self._install_hooks()
         self.setup_seconds = time.perf_counter() - t0
 
@@ -421,7 +419,7 @@ class OffloadEngine:
                 self._raw_turn ^= 1
                 if self._raw_free[b] is not None:
                     h2d.wait_event(self._raw_free[b])
-                dst = self._raw[b][: u.store_nbytes]
+                dst = self.widener.raw[b][: u.store_nbytes]
             else:
                 dst = slot.buf[: u.nbytes]
             with torch.cuda.stream(h2d):
@@ -435,7 +433,7 @@ class OffloadEngine:
                 conv = self.convert_stream
                 conv.wait_event(ready)
                 with torch.cuda.stream(conv):
-                    self._widen(u, b, slot)
+                    self.widener.widen(u, b, slot.buf)
                     ready = torch.cuda.Event()
                     ready.record(conv)
                 self._raw_free[b] = ready
@@ -443,132 +441,27 @@ class OffloadEngine:
         else:
             a = self._mark() if self.timing is not None else None
             if u.converted:
-                dst = self._raw[0][: u.store_nbytes]
+                dst = self.widener.raw[0][: u.store_nbytes]
                 dst.copy_(src)
             else:
                 slot.buf[: u.nbytes].copy_(src)
             if a is not None:
                 self.timing.add("h2d", u.uid, a, self._mark())
             if u.converted:
-                self._widen(u, 0, slot)
+                self.widener.widen(u, 0, slot.buf)
             slot.ready = None
         self.counters.h2d_bytes += u.store_nbytes
         self.counters.h2d_count += 1
         return slot
 
     # ------------------------------------------------------------------ planning from measurements
-    def measured_model(self) -> tuple[list[int], list[float], dict[int, float]] | None:
-        """The traced cycle, each position's busy time and each streamed unit's copy time, in ms.
-
-        A position's busy time runs from its unit's use starting (bytes ready) to the next use being
-        asked for, so backward kernels, recompute and the optimizer step between cycles count too.
-        """
-        if self.timing is None or not self.schedule.trace:
-            return None
-        self.timing.resolve(block=True)
-        h2d_ms = self.timing.total_ms.get("h2d", 0.0)
-        if h2d_ms <= 0 or self.counters.h2d_bytes <= 0:
-            return None
-        per_ms = self.counters.h2d_bytes / h2d_ms
-        trace = list(self.schedule.trace)
-        spans = [self.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))]
-        copy = {u.uid: u.store_nbytes / per_ms for u in self.streamed}
-        return trace, spans, copy
-
     def predict(self) -> float | None:
-        model = self.measured_model()
-        if model is None:
-            return None
-        trace, spans, copy = model
-        return simulate(trace, spans, copy, len(self.ring.slots), self.config.prefetch, set(self.ring.sticky))
+        """The planner's simulated cycle for the plan in force, from measured times (ms)."""
+        return measured_prediction(self)
 
     def replan(self) -> dict | None:
         """vram_budget: choose sticky units and extra ring slots from the measured cycle."""
-        model = self.measured_model()
-        if model is None or self.ring.slot_bytes <= 1 or self.config.vram_budget is None:
-            return None
-        trace, spans, copy = model
-        budget = int(self.config.vram_budget) - int(self.prediction.get("stray_resident_bytes", 0))
-        forced = {uid for uid in self.ring.sticky if self.units[uid].nbytes > self.ring.slot_bytes}
-        candidates = {u.uid for u in self.streamed if not u.trainable}
-        res = choose(trace, spans, copy, {u.uid: u.nbytes for u in self.streamed}, slot_bytes=self.ring.slot_bytes,
-                     slots=len(self.ring.slots), prefetch=self.config.prefetch, budget=budget, forced=forced,
-                     candidates=candidates)
-        for uid in list(self.ring.sticky):
-            if uid not in res["sticky"]:
-                self.ring.drop_sticky(uid)
-                self.units[uid].sticky = False
-        for uid in sorted(res["sticky"]):
-            if uid not in self.ring.sticky:
-                self.units[uid].sticky = True
-                self.ring.add_sticky(uid, self.units[uid].nbytes)
-        self.ring.add_slots(res["extra_slots"])
-        moving = [u for u in self.streamed if not u.sticky]
-        self.prediction.update(
-            chosen_by="measured",
-            sticky_units=len(res["sticky"]),
-            streamed_units=len(moving),
-            streamed_bytes=sum(u.nbytes for u in moving),
-            sticky_bytes=sum(self.units[uid].nbytes for uid in res["sticky"]),
-            extra_slots=res["extra_slots"],
-            planned_step_ms=res["predicted_ms"],
-            unplanned_step_ms=res["start_ms"],
-            plan_seconds=res["seconds"],
-        )
-        return res
-
-    def _widen(self, u: Unit, b: int, slot: Slot) -> None:
-        """Fill the slot from raw buffer b: a few multi-tensor kernels per unit, not two per tensor."""
-        # Views of the engine's own raw buffers are made once per (unit, buffer); views of a slot
-        # are made per load (a cached one would hold the slot's storage and keep it from reuse).
-        if u.widen_plan is not None:
-            self._widen_block(u, b, slot)
-            return
-        src = self._src_views.get((u.uid, b))
-        if src is None:
-            raw = self._raw[b]
-            srcs = [raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
-                    for ts in u.tensors]
-            scaled_idx = [i for i, ts in enumerate(u.tensors) if ts.scale is not None]
-            src = self._src_views[(u.uid, b)] = (srcs, scaled_idx, [u.tensors[i].scale for i in scaled_idx])
-        srcs, scaled_idx, scales = src
-        buf = slot.buf
-        dsts = [buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape) for ts in u.tensors]
-        scaled = [dsts[i] for i in scaled_idx]
-        torch._foreach_copy_(dsts, srcs)
-        # quant.widen's arithmetic exactly: the product in fp32 (opmath), rounded once. On CUDA one
-        # multi-tensor kernel does that; on the CPU _foreach_mul_ with a scalar list rounds
-        # differently, so there each tensor gets its own mul_.
-        if scaled and buf.is_cuda:
-            torch._foreach_mul_(scaled, scales)
-        else:
-            for dst, scale in zip(scaled, scales):
-                dst.mul_(scale)
-
-    def _widen_block(self, u: Unit, b: int, slot: Slot) -> None:
-        """The narrow tensors lie first and proportionally (Unit.layout): one conversion kernel
-        for all of them, one byte copy for the rest, one multi-tensor kernel for the scales."""
-        dtype, store, head, shead, sizes, conv_idx = u.widen_plan
-        cached = self._src_views.get((u.uid, b))
-        if cached is None:
-            raw = self._raw[b]
-            scaled_k = [k for k, i in enumerate(conv_idx) if u.tensors[i].scale is not None]
-            cached = self._src_views[(u.uid, b)] = (
-                raw[:shead].view(store), raw[shead: shead + u.nbytes - head], scaled_k,
-                [u.tensors[conv_idx[k]].scale for k in scaled_k])
-        src, tail, scaled_k, scales = cached
-        dst = slot.buf[:head].view(dtype)
-        dst.copy_(src)
-        if tail.numel():
-            slot.buf[head: u.nbytes].copy_(tail)
-        if scaled_k:
-            parts = dst.split(sizes)  # tensor, gap, tensor, gap, ...: flat views of each tensor
-            scaled = [parts[2 * k] for k in scaled_k]
-            if dst.is_cuda:
-                torch._foreach_mul_(scaled, scales)
-            else:  # see _widen: on the CPU each tensor gets its own mul_
-                for t, sc in zip(scaled, scales):
-                    t.mul_(sc)
+        return replan_from_measurements(self)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .config import OffloadConfig
 from .units import Unit
 
-__all__ = ["plan_residency", "interleaved", "simulate", "choose"]
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["plan_residency", "interleaved", "simulate", "choose", "measured_model", "measured_prediction",
+           "replan_from_measurements"]
 
 
 def interleaved(n: int, k: int) -> list[int]:
@@ -233,3 +237,67 @@ def choose(
         best = t
     return {"sticky": sticky, "extra_slots": extra, "predicted_ms": best, "start_ms": start_ms,
             "used_bytes": used, "seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------- from a running engine's timings
+def measured_model(e: "OffloadEngine") -> tuple[list[int], list[float], dict[int, float]] | None:
+    """The traced cycle, each position's busy time and each streamed unit's copy time, in ms.
+
+    A position's busy time runs from its unit's use starting (bytes ready) to the next use being
+    asked for, so backward kernels, recompute and the optimizer step between cycles count too.
+    """
+    if e.timing is None or not e.schedule.trace:
+        return None
+    e.timing.resolve(block=True)
+    h2d_ms = e.timing.total_ms.get("h2d", 0.0)
+    if h2d_ms <= 0 or e.counters.h2d_bytes <= 0:
+        return None
+    per_ms = e.counters.h2d_bytes / h2d_ms
+    trace = list(e.schedule.trace)
+    spans = [e.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))]
+    copy = {u.uid: u.store_nbytes / per_ms for u in e.streamed}
+    return trace, spans, copy
+
+
+def measured_prediction(e: "OffloadEngine") -> float | None:
+    model = measured_model(e)
+    if model is None:
+        return None
+    trace, spans, copy = model
+    return simulate(trace, spans, copy, len(e.ring.slots), e.config.prefetch, set(e.ring.sticky))
+
+
+def replan_from_measurements(e: "OffloadEngine") -> dict | None:
+    """vram_budget: choose sticky units and extra ring slots from the measured cycle, and apply them."""
+    model = measured_model(e)
+    if model is None or e.ring.slot_bytes <= 1 or e.config.vram_budget is None:
+        return None
+    trace, spans, copy = model
+    budget = int(e.config.vram_budget) - int(e.prediction.get("stray_resident_bytes", 0))
+    forced = {uid for uid in e.ring.sticky if e.units[uid].nbytes > e.ring.slot_bytes}
+    candidates = {u.uid for u in e.streamed if not u.trainable}
+    res = choose(trace, spans, copy, {u.uid: u.nbytes for u in e.streamed}, slot_bytes=e.ring.slot_bytes,
+                 slots=len(e.ring.slots), prefetch=e.config.prefetch, budget=budget, forced=forced,
+                 candidates=candidates)
+    for uid in list(e.ring.sticky):
+        if uid not in res["sticky"]:
+            e.ring.drop_sticky(uid)
+            e.units[uid].sticky = False
+    for uid in sorted(res["sticky"]):
+        if uid not in e.ring.sticky:
+            e.units[uid].sticky = True
+            e.ring.add_sticky(uid, e.units[uid].nbytes)
+    e.ring.add_slots(res["extra_slots"])
+    moving = [u for u in e.streamed if not u.sticky]
+    e.prediction.update(
+        chosen_by="measured",
+        sticky_units=len(res["sticky"]),
+        streamed_units=len(moving),
+        streamed_bytes=sum(u.nbytes for u in moving),
+        sticky_bytes=sum(e.units[uid].nbytes for uid in res["sticky"]),
+        extra_slots=res["extra_slots"],
+        planned_step_ms=res["predicted_ms"],
+        unplanned_step_ms=res["start_ms"],
+        plan_seconds=res["seconds"],
+    )
+    return res

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FP8_MAX", "quantize", "widen", "fake_quantize", "storage_dtype"]
+from .units import Unit
+
+__all__ = ["FP8_MAX", "UnitWidener", "quantize", "widen", "fake_quantize", "storage_dtype"]
 
 FP8_MAX = 448.0
 
@@ -82,3 +84,71 @@ def fake_quantize(model: nn.Module, weight_dtype: str) -> nn.Module:
                 q, s = quantize(p.data, store)
                 p.data.copy_(widen(q, s, p.dtype))
     return model
+
+
+class UnitWidener:
+    """The raw buffers narrow-stored units are copied into, and the kernels that widen them.
+
+    Two raw buffers let the next unit's copy overlap the current one's widening (the engine orders
+    them with events). Views of the raw buffers are made once per (unit, buffer); views of a slot
+    are made per load, since a cached one would hold the slot's storage and keep it from reuse.
+    """
+
+    def __init__(self, units: list[Unit], device: torch.device) -> None:
+        nbytes = max((u.store_nbytes for u in units if u.converted), default=0)
+        self.raw = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2 if nbytes else 0)]
+        self._src: dict[tuple[int, int], tuple] = {}
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() for b in self.raw)
+
+    def widen(self, u: Unit, b: int, buf: torch.Tensor) -> None:
+        """Fill the slot buffer ``buf`` from raw buffer ``b``: a few kernels per unit, not two per tensor."""
+        if u.widen_plan is not None:
+            self._widen_block(u, b, buf)
+            return
+        src = self._src.get((u.uid, b))
+        if src is None:
+            raw = self.raw[b]
+            srcs = [raw[ts.store_offset: ts.store_offset + ts.store_nbytes].view(ts.store_dtype or ts.dtype).view(ts.shape)
+                    for ts in u.tensors]
+            scaled_idx = [i for i, ts in enumerate(u.tensors) if ts.scale is not None]
+            src = self._src[(u.uid, b)] = (srcs, scaled_idx, [u.tensors[i].scale for i in scaled_idx])
+        srcs, scaled_idx, scales = src
+        dsts = [buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape) for ts in u.tensors]
+        torch._foreach_copy_(dsts, srcs)
+        _scale([dsts[i] for i in scaled_idx], scales)
+
+    def _widen_block(self, u: Unit, b: int, buf: torch.Tensor) -> None:
+        # The narrow tensors lie first and proportionally (Unit.layout): one conversion kernel for
+        # all of them, one byte copy for the rest, one multi-tensor kernel for the scales.
+        dtype, store, head, shead, sizes, conv_idx = u.widen_plan
+        cached = self._src.get((u.uid, b))
+        if cached is None:
+            raw = self.raw[b]
+            scaled_k = [k for k, i in enumerate(conv_idx) if u.tensors[i].scale is not None]
+            cached = self._src[(u.uid, b)] = (
+                raw[:shead].view(store), raw[shead: shead + u.nbytes - head], scaled_k,
+                [u.tensors[conv_idx[k]].scale for k in scaled_k])
+        src, tail, scaled_k, scales = cached
+        dst = buf[:head].view(dtype)
+        dst.copy_(src)
+        if tail.numel():
+            buf[head: u.nbytes].copy_(tail)
+        if scaled_k:
+            parts = dst.split(sizes)  # tensor, gap, tensor, gap, ...: flat views of each tensor
+            _scale([parts[2 * k] for k in scaled_k], scales)
+
+
+def _scale(tensors: list[torch.Tensor], scales: list[float]) -> None:
+    """widen()'s arithmetic exactly: the product in fp32 (opmath), rounded once. On CUDA one
+    multi-tensor kernel does that; on the CPU _foreach_mul_ with a scalar list rounds
+    differently, so there each tensor gets its own mul_."""
+    if not tensors:
+        return
+    if tensors[0].is_cuda:
+        torch._foreach_mul_(tensors, scales)
+    else:
+        for t, s in zip(tensors, scales):
+            t.mul_(s)
