@@ -373,7 +373,7 @@ class OffloadEngine:
                 if self._span_from is not None:
                     pos, ev = self._span_from
                     self.timing.add("span", ("pos", pos), ev, arrive[1])
-                self._span_from = (len(self.schedule._current) - 1, self._mark())
+                self._span_from = (self.schedule.position, self._mark())
             self._prefetch(u.uid)
             return slot
 

@@ -25,6 +25,11 @@ class Schedule:
     def learned(self) -> bool:
         return bool(self.trace)
 
+    @property
+    def position(self) -> int:
+        """Index of the latest use in the current cycle (-1 before the first)."""
+        return len(self._current) - 1
+
     def start_cycle(self) -> None:
         if self._current:
             if not self.trace or self._diverged or len(self._current) != len(self.trace):
