@@ -58,7 +58,7 @@ def train(model: nn.Module, device: str, steps: int, batch: int, offload: bool) 
         optimizer.step()
         optimizer.zero_grad()
         if metrics is not None:
-            row = {"step": step + 1, "total_steps": steps, "loss": float(loss), "phase": "offloaded" if offload else "resident"}
+            row = {"step": step + 1, "total_steps": steps, "loss": float(loss.detach()), "phase": "offloaded" if offload else "resident"}
             if manager is not None:
                 st = manager.stats()
                 row.update({k: st[k] for k in ("vram_allocated_bytes", "vram_peak_bytes", "pinned_capacity_bytes",
@@ -71,7 +71,7 @@ def train(model: nn.Module, device: str, steps: int, batch: int, offload: bool) 
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if manager is not None:
         manager.remove()
-    return float(loss), peak
+    return float(loss.detach()), peak
 
 
 def main() -> None:
