@@ -72,6 +72,12 @@ def test_bad_workload_is_a_usage_error() -> None:
     assert "--workloads" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_negative_paired_is_a_usage_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench", "--paired", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--paired" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_profiler_trace_copies_are_summed_by_direction() -> None:
     from bench.measure import parse_trace_copies
 

@@ -52,7 +52,8 @@ def test_unknown_override_key_names_the_key() -> None:
         enable_offload(model, target_device="cpu", offload_granularty="leaf")
 
 
-@pytest.mark.parametrize("key,value", [("prefetch", -1), ("offload_ratio", 1.5), ("vram_budget", "lots")])
+@pytest.mark.parametrize("key,value", [("prefetch", -1), ("offload_ratio", 1.5), ("vram_budget", "lots"),
+                                       ("stray_resident_fraction", 1.5), ("stray_resident_fraction", "lots")])
 def test_bad_values_name_the_field(key: str, value: object) -> None:
     model = CASES["toy"].build("frozen")
     with pytest.raises(OffloadConfigError, match=key):
