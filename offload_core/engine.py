@@ -32,7 +32,7 @@ from .planner import measured_prediction, plan_residency, replan_from_measuremen
 from .quant import UnitWidener, eligible, quantize, storage_dtype, widen
 from .schedule import Schedule
 from .slots import Slot, SlotRing
-from .stats import Counters, TimingLog
+from .stats import CopyClock, Counters, TimingLog
 from .units import Unit, discover_units
 
 __all__ = ["OffloadEngine", "resolve_device"]
@@ -145,6 +145,10 @@ class OffloadEngine:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
             self.convert_stream = torch.cuda.Stream(self.device) if self.widener.raw else None
+        # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
+        self.copy_clock = None
+        if self.is_cuda and self.timing is not None:
+            self.copy_clock = CopyClock(self.timing, self.h2d_stream if self.use_streams else torch.cuda.current_stream(self.device))
         self._install_hooks()
         self.setup_seconds = time.perf_counter() - t0
 
@@ -423,9 +427,11 @@ class OffloadEngine:
             else:
                 dst = slot.buf[: u.nbytes]
             with torch.cuda.stream(h2d):
-                a = self._mark(h2d) if self.timing is not None else None
+                clock = self.copy_clock
+                a = clock.start(h2d) if clock is not None else None
                 dst.copy_(src, non_blocking=True)
                 if a is not None:
+                    clock.submitted()
                     self.timing.add("h2d", u.uid, a, self._mark(h2d))
                 ready = torch.cuda.Event()
                 ready.record(h2d)
@@ -439,14 +445,21 @@ class OffloadEngine:
                 self._raw_free[b] = ready
             slot.ready = ready
         else:
-            a = self._mark() if self.timing is not None else None
-            if u.converted:
-                dst = self.widener.raw[0][: u.store_nbytes]
-                dst.copy_(src)
+            # Serial on purpose (streams off): the host waits for each copy before going on.
+            clock = self.copy_clock
+            stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
+            if clock is not None:
+                a = clock.start(stream)
             else:
-                slot.buf[: u.nbytes].copy_(src)
+                a = self._mark() if self.timing is not None else None
+            dst = self.widener.raw[0][: u.store_nbytes] if u.converted else slot.buf[: u.nbytes]
+            dst.copy_(src, non_blocking=stream is not None)
+            if clock is not None:
+                clock.submitted()
             if a is not None:
                 self.timing.add("h2d", u.uid, a, self._mark())
+            if stream is not None:
+                stream.synchronize()
             if u.converted:
                 self.widener.widen(u, 0, slot.buf)
             slot.ready = None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session should check, in one call of the device machine (about 8 minutes on an H200):
-#   the GPU tests, the documented toy example, the benchmark with paired rounds, and the P2 timeline.
+#   the copy-timing probe, the GPU tests, the documented toy example, the benchmark with paired rounds, and the P2 timeline.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, with diffusers' wheel in .whl/
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh
@@ -23,6 +23,8 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader || true
 
+echo "== copy timing probe (engine event pairs against the profiler's DMA)"
+timeout 60 "$PY" -m bench.copyprobe --json "$OUT_DIR/copyprobe.json" 2>&1 | grep -v -i warn
 echo "== GPU tests"
 timeout 240 "$PY" -m pytest -m gpu tests/offload_core -q -p no:cacheprovider -rf 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -6
 echo "== the documented toy example"

@@ -251,6 +251,46 @@ def test_byte_counters_match_profiler(tmp_path) -> None:
     h.remove()
 
 
+def test_copy_clock_brackets_the_dma_on_an_idle_stream(tmp_path) -> None:
+    """The engine's H2D event pairs time the DMA, not the host's submission of a just-in-time copy."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from offload_core.stats import CopyClock, TimingLog
+
+    n = 8 << 20  # small enough that tens of microseconds of submission would show (~150 us of DMA)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device=CUDA)
+    stream = torch.cuda.Stream()
+    clock = CopyClock(TimingLog(), stream)
+    pairs = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(30):
+            torch.cuda.synchronize()
+            time.sleep(0.001)  # the copy stream is idle: the copy is issued just in time
+            with torch.cuda.stream(stream):
+                a = clock.start(stream)
+                dst.copy_(src, non_blocking=True)
+                clock.submitted()
+                b = torch.cuda.Event(enable_timing=True)
+                b.record(stream)
+            pairs.append((a, b))
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    dma = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                  if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")), key=lambda e: e["ts"])
+    assert len(dma) == len(pairs)
+    # the first copy teaches the clock how long submitting takes; the rest are held
+    events_ms = sum(a.elapsed_time(b) for a, b in pairs[1:])
+    dma_ms = sum(e["dur"] for e in dma[1:]) / 1e3
+    print(json.dumps({"events_ms": events_ms, "dma_ms": dma_ms, "holds": clock.holds, "submit_us": clock.submit_us}))
+    assert clock.holds == len(pairs) - 1
+    assert dst.cpu().equal(src)
+    assert events_ms <= 1.10 * dma_ms
+
+
 def test_stress_random_host_delays() -> None:
     """Races show up as mismatches when the host is slowed at random inside the hooks."""
     torch.manual_seed(0)
