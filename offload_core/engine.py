@@ -256,7 +256,7 @@ class OffloadEngine:
     def _bind(self, u: Unit, slot: Slot) -> None:
         bound = []
         for ts in u.tensors:
-            view = slot.buf[ts.offset: ts.offset + ts.nbytes].view(ts.dtype).view(ts.shape)
+            view = slot.typed(ts.dtype).as_strided(ts.shape, ts.contiguous_stride, ts.offset // ts.dtype.itemsize)
             table = ts.module._parameters if ts.is_param else ts.module._buffers
             orig = table[ts.attr]
             if ts.trainable:

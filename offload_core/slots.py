@@ -29,6 +29,7 @@ class Slot:
     ready: object | None = None  # event on the copy stream: owner's bytes have landed
     done: list = field(default_factory=list)  # events that must pass before overwrite
     last_use: int = 0
+    _typed: dict = field(default_factory=dict, repr=False)
 
     @property
     def ptr(self) -> int:
@@ -36,6 +37,20 @@ class Slot:
 
     def is_free(self) -> bool:
         return _use_count(self.buf) <= self.baseline
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer viewed as ``dtype``, kept: one strided view per tensor then binds it.
+
+        The kept view holds the storage too, so the baseline use count rises with it.
+        """
+        t = self._typed.get(dtype)
+        if t is None:
+            before = _use_count(self.buf)
+            usable = self.buf.numel() // dtype.itemsize * dtype.itemsize
+            t = self.buf[:usable].view(dtype)
+            self._typed[dtype] = t
+            self.baseline += _use_count(self.buf) - before
+        return t
 
 
 class SlotRing:

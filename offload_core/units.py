@@ -17,6 +17,9 @@ are kept resident: splitting their storage between slabs would break the aliasin
 
 from __future__ import annotations
 
+import functools
+import math
+
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -54,13 +57,24 @@ class TensorSlot:
     trainable: bool = False  # bound through .data so autograd accumulates into the Parameter
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @functools.cached_property
+    def contiguous_stride(self) -> tuple[int, ...]:
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= max(int(n), 1)
+        return tuple(reversed(stride))
+
+    @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def store_nbytes(self) -> int:
-        dt = self.store_dtype or self.dtype
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=dt).element_size()
+        return self.numel * (self.store_dtype or self.dtype).itemsize
 
     def tensor(self) -> torch.Tensor:
         return (self.module._parameters if self.is_param else self.module._buffers)[self.attr]
