@@ -8,7 +8,7 @@ __all__ = ["format_header", "format_markdown", "format_table", "render"]
 
 COLUMNS = [
     "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "x floor paired", "target", "peak GB", "H2D GB/step",
-    "RSS/W", "pin/W", "setup s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
+    "RSS/W", "pin/W", "setup s/GB", "pack s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
 ]
 
 
@@ -58,6 +58,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _f(r.get("rss_over_weight")),
         _f(r.get("pinned_over_weight"), "{:.3f}"),
         _f(r.get("setup_s_per_gb"), "{:.3f}"),
+        _f(r.get("pack_s_per_gb"), "{:.3f}"),
         _exact(r),
         "-" if diff is None else f"{diff:.2e}",
         _f(r.get("stall_ms_per_step")),
@@ -170,6 +171,7 @@ def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
     echo("x floor: time / the row's floor (ours: its own, from the bytes it streams).  x wl floor: time / the workload floor.")
     echo("x floor paired: ours / max(resident, own bytes floor), with resident and ours timed in turn (--paired).")
     echo("H2D GB/step: from the engine's counters, or * from torch.profiler.")
+    echo("setup s/GB: the whole session's setup (engine, optimizer offload, optimizer).  pack s/GB: the engine's pack and pin.")
     echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
     echo(format_table(result["rows"]))
 

@@ -172,6 +172,10 @@ def run_variant(
             if isinstance(stats1.get("pinned_capacity_bytes"), (int, float)):
                 row["pinned_over_weight"] = stats1["pinned_capacity_bytes"] / weight_bytes
             row["predicted_step_ms"] = stats1.get("predicted_step_ms", row["stats"].get("plan_predicted_step_ms"))
+            if isinstance(stats1.get("setup_seconds"), (int, float)):
+                # the engine's own pack and pin, without optimizer offload's buffers or the optimizer
+                row["pack_s"] = stats1["setup_seconds"]
+                row["pack_s_per_gb"] = stats1["setup_seconds"] / (weight_bytes / 1e9)
             row["prefetch_misses_total"] = stats1.get("prefetch_misses")
         if row.get("h2d_bytes_per_step") is not None:
             row["h2d_source"] = "engine"

@@ -22,6 +22,38 @@ __all__ = ["PinnedArena", "pinned_empty"]
 log = logging.getLogger(__name__)
 
 _PAGE = 4096
+_MADV_HUGEPAGE = 14  # Linux
+_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet
+
+
+def _c_library() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is False:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name, use_errno=True) if name else None
+        except OSError:
+            _libc = None
+    return _libc  # type: ignore[return-value]
+
+
+def host_buffer(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page-aligned host buffer of exactly ``nbytes`` (and the allocation that holds it).
+
+    It asks Linux for transparent huge pages before anything touches it: packing then faults in
+    2 MB pages instead of 4 KB ones, and registration pins 512x fewer pages, which is most of setup
+    time on a fresh buffer. Where that is not available the buffer is an ordinary one.
+    """
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    skew = (-raw.data_ptr()) % _PAGE
+    buf = raw[skew: skew + nbytes]
+    libc = _c_library()
+    if libc is not None and nbytes >= (2 << 20):
+        try:
+            libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes), ctypes.c_int(_MADV_HUGEPAGE))
+        except (AttributeError, OSError):
+            pass
+    return buf, raw
 _CHUNK = 1 << 30  # slabs are grouped into buffers of about this size
 
 
@@ -47,10 +79,8 @@ class PinnedArena:
             if not group:
                 continue
             total = sum(u.store_nbytes for u in group)
-            raw = torch.empty(total + _PAGE, dtype=torch.uint8)
-            # Page-align the start so registration covers exactly our bytes.
-            skew = (-raw.data_ptr()) % _PAGE
-            buf = raw[skew: skew + total]
+            # Page-aligned, so registration covers exactly our bytes.
+            buf, raw = host_buffer(total)
             off = 0
             for u in group:
                 self._slabs[u.uid] = buf[off: off + u.store_nbytes]
@@ -109,9 +139,7 @@ class PinnedArena:
 
 def pinned_empty(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     """One exact-size host buffer, registered with CUDA when asked and possible."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    skew = (-raw.data_ptr()) % _PAGE
-    buf = raw[skew: skew + nbytes]
+    buf, _ = host_buffer(nbytes)
     if pin and torch.cuda.is_available() and nbytes:
         if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0:
             return buf, True
@@ -131,10 +159,10 @@ def trim_host_heap() -> None:
     packed into the arena and freed, glibc keeps their pages, and the process would hold the
     weights twice. malloc_trim returns them.
     """
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _c_library()
+    if libc is None:
         return
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
+        libc.malloc_trim(0)
+    except AttributeError:
         pass
