@@ -232,3 +232,34 @@ def test_enable_remove_enable_again() -> None:
         assert_bitwise(ref, infer(case, b), f"output with the engine installed again ({granularity})")
         handle.remove()
     assert_bitwise(ref, infer(case, b), "output after the second remove()")
+
+
+@pytest.mark.parametrize("checkpointing", CKPT)
+def test_slots_are_free_again_after_lora_steps(checkpointing: bool) -> None:
+    # Binding keeps one typed view of each slot; the slot's baseline use count must count it, or
+    # no slot would ever look free again and the ring would grow on every load.
+    case = CASES["flux"]
+    model = case.build("adapter", checkpointing=checkpointing)
+    opt = make_optimizer(model)
+    mgr = OffloadTrainingManager(model, target_device="cpu", offload_granularity="block", prefetch=1)
+    train(case, model, opt, steps=4, after_backward=mgr.after_backward)
+    ring = mgr.handle.engine.ring
+    assert ring.grows == 0
+    assert len(ring.slots) == 2
+    assert all(slot.is_free() for slot in ring.slots), [s.index for s in ring.slots if not s.is_free()]
+    assert any(slot._typed for slot in ring.slots), "binding no longer goes through the kept typed views"
+    mgr.remove()
+
+
+def test_host_buffers_are_page_aligned_and_exact() -> None:
+    from offload_core.arena import host_buffer, pinned_empty
+
+    for n in (1, 4095, (2 << 20) + 3, 5 << 20):
+        buf, raw = host_buffer(n)
+        assert buf.numel() == n and buf.dtype == torch.uint8
+        assert buf.data_ptr() % 4096 == 0
+        assert raw.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        buf.fill_(7)
+        assert int(buf.sum()) == 7 * n
+    staging, pinned = pinned_empty(3 << 20, pin=False)
+    assert staging.numel() == 3 << 20 and staging.data_ptr() % 4096 == 0 and not pinned
