@@ -58,6 +58,22 @@ def test_ours_reports_engine_counters(result: dict) -> None:
     assert row["prefetch_misses_per_step"] is not None
 
 
+def test_ours_reports_pack_time_apart_from_the_whole_setup(result: dict) -> None:
+    for w in WORKLOADS:
+        row = _row(result, w, "ours")
+        assert row["pack_s"] == row["stats"]["setup_seconds"] > 0
+        assert row["pack_s"] <= row["setup_s"]
+        assert row["pack_s_per_gb"] == pytest.approx(row["setup_s_per_gb"] * row["pack_s"] / row["setup_s"])
+
+
+def test_copyprobe_without_cuda_is_a_one_line_error() -> None:
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA: the probe would run")
+    proc = subprocess.run([sys.executable, "-m", "bench.copyprobe"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_floor_and_ceiling_are_recorded(result: dict) -> None:
     assert result["ceiling"]["h2d_gbps"] > 0
     for w in WORKLOADS:
