@@ -54,6 +54,8 @@ def host_buffer(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         except (AttributeError, OSError):
             pass
     return buf, raw
+
+
 _CHUNK = 1 << 30  # slabs are grouped into buffers of about this size
 
 

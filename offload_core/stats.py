@@ -112,7 +112,7 @@ class CopyClock:
     hold costs no copy time. A stream with work queued needs no hold: the start event waits there.
     """
 
-    HOLD = True  # bench.copyprobe and the timeline can switch it off to compare
+    HOLD = True  # set False to see the unheld pairs (bench/RESULTS.md compares both on P3)
 
     def __init__(self, log: TimingLog, stream: "torch.cuda.Stream") -> None:
         self.log = log
