@@ -362,7 +362,8 @@ def test_up_local_ps_down_local(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr
     assert f"pid {pid}" in down.stderr
     assert not process_alive(pid)
-    line = assert_one_error_line(cli("ps"))
+    # the address it had (not the default port: a developer's own worker may be listening there)
+    line = assert_one_error_line(cli("ps", OFFLOAD_JOBS_URL=url))
     assert "up --local" in line
 
 
