@@ -6,7 +6,9 @@
     ├── AuthError           the worker refused the token (401) or the Host header (400/421)
     ├── JobNotFound         no job has that id
     ├── InvalidTransition   the job's state forbids the action (cancel a finished job, ...)
-    ├── StoreError          the state store cannot be opened or migrated
+    ├── StoreError          the state store cannot be opened, migrated or written (names the file)
+    ├── RunDirError         a file of a run dir is unsafe to touch (a symlink planted by the job, ...)
+    ├── RequestTooLarge     a request body over the worker's limit (a spec over 1 MiB, ...)
     └── ExecutorError       an executor cannot start (no Docker daemon, ...)
 
 Bugs still raise ordinary exceptions.
@@ -22,6 +24,8 @@ __all__ = [
     "JobNotFound",
     "InvalidTransition",
     "StoreError",
+    "RunDirError",
+    "RequestTooLarge",
     "ExecutorError",
 ]
 
@@ -54,15 +58,16 @@ class SpecError(JobsError, ValueError):
 
 
 class WorkerUnreachable(JobsError, ConnectionError):
-    """No worker answers at `url`."""
+    """No worker answers at `url` (or none is running for the state dir)."""
 
-    def __init__(self, url: str, detail: str = ""):
+    def __init__(self, url: str, detail: str = "", message: str | None = None):
         self.url = url
-        msg = f"no offload-jobs worker reachable at {url}"
-        if detail:
-            msg += f" ({detail})"
-        msg += "; start one with `offload-jobs worker` or `offload-jobs up --local`"
-        super().__init__(msg)
+        if message is None:
+            message = f"no offload-jobs worker reachable at {url}"
+            if detail:
+                message += f" ({detail})"
+            message += "; start one with `offload-jobs worker` or `offload-jobs up --local`"
+        super().__init__(message)
 
 
 class AuthError(JobsError, PermissionError):
@@ -83,6 +88,14 @@ class InvalidTransition(JobsError, ValueError):
 
 class StoreError(JobsError, RuntimeError):
     """The state store cannot be opened, migrated or written."""
+
+
+class RunDirError(JobsError, OSError):
+    """A run dir file is not a plain regular file (a symlink, FIFO or hard link planted by the job)."""
+
+
+class RequestTooLarge(JobsError, ValueError):
+    """The request body is over the worker's size limit."""
 
 
 class ExecutorError(JobsError, RuntimeError):

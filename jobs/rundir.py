@@ -4,21 +4,41 @@
     output.log    stdout+stderr of every attempt, appended by the child itself (survives restarts)
     metrics.jsonl one JSON object per line, written by the job
     events.jsonl  the job's status changes, one JSON object per line
-    exit.json     optional exit report of the last attempt ({"reason": "cuda_oom", ...})
+    report.json   optional report of the job itself ({"reason": "cuda_oom", "message": ...})
+    exit.json     how the last attempt ended, written atomically by its launcher (process executor)
+    stop.json     why the worker is stopping the current attempt (cancelled, timeout, shutdown)
     outputs/      what the job produces
+
+The job can write anything in its run dir (for `executor: docker` the directory is bind-mounted
+into the container), so the worker, which may be root, treats every name in it as hostile: it
+opens files relative to the directory's own descriptor with O_NOFOLLOW, never blocks on a FIFO,
+and reads or appends only regular files with one link. A symlink planted as `output.log` is
+refused, never followed.
 """
 
 from __future__ import annotations
 
-import json
+import errno
+import logging
 import os
+import stat
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
+from jobs import strict_json
+from jobs.errors import RunDirError
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "utf8_safe_end", "EXIT_FILE", "REPORT_FILE"]
+
+log = logging.getLogger("offload_jobs.rundir")
+
+EXIT_FILE = "exit.json"
+REPORT_FILE = "report.json"
+STOP_FILE = "stop.json"
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
 class RunDir:
@@ -33,93 +53,209 @@ class RunDir:
     log_file = property(lambda self: self.path / "output.log")
     metrics_file = property(lambda self: self.path / "metrics.jsonl")
     events_file = property(lambda self: self.path / "events.jsonl")
-    exit_file = property(lambda self: self.path / "exit.json")
+    exit_file = property(lambda self: self.path / EXIT_FILE)
+    report_file = property(lambda self: self.path / REPORT_FILE)
     outputs_dir = property(lambda self: self.path / "outputs")
 
+    # ------------------------------------------------------------ safe access
+    @contextmanager
+    def _open(self, name: str, flags: int, *, write: bool = False) -> Iterator[int]:
+        """A descriptor of `name` in this dir, refusing anything but a plain regular file."""
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fd = os.open(name, flags | _SAFE, 0o600, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise RunDirError(f"refusing {self.path / name}: it is a symbolic link") from None
+                raise
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RunDirError(f"refusing {self.path / name}: not a regular file")
+            if write and st.st_nlink != 1:
+                raise RunDirError(f"refusing {self.path / name}: it has {st.st_nlink} hard links")
+            os.set_blocking(fd, True)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def open_log_fd(self) -> int:
+        """A descriptor appending to output.log (for a child's stdout and stderr); the caller closes it."""
+        with self._open("output.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, write=True) as fd:
+            return os.dup(fd)
+
+    def _read_bytes(self, name: str, offset: int = 0, limit: int | None = None) -> tuple[bytes, int]:
+        """(bytes from `offset`, file size); a missing file reads as empty."""
+        try:
+            with self._open(name, os.O_RDONLY) as fd:
+                size = os.fstat(fd).st_size
+                n = size - offset if limit is None else min(limit, size - offset)
+                return (os.pread(fd, n, offset) if n > 0 else b""), size
+        except FileNotFoundError:
+            return b"", 0
+
+    def _append(self, name: str, data: bytes, *, newline_guard: bool = False) -> bool:
+        """Append `data` to a regular file of this dir; False (and a warning) when refused or failed."""
+        try:
+            mode = os.O_RDWR if newline_guard else os.O_WRONLY
+            with self._open(name, mode | os.O_APPEND | os.O_CREAT, write=True) as fd:
+                if newline_guard:  # a child killed mid-line must not glue its last line to ours
+                    size = os.fstat(fd).st_size
+                    if size and os.pread(fd, 1, size - 1) != b"\n":
+                        data = b"\n" + data
+                os.write(fd, data)
+            return True
+        except (OSError, RunDirError) as exc:
+            log.warning("could not append to %s: %s", self.path / name, exc)
+            return False
+
+    # ------------------------------------------------------------ writing (the worker)
     def create(self, spec: dict[str, Any]) -> "RunDir":
-        self.outputs_dir.mkdir(parents=True, exist_ok=True)
-        for f in (self.log_file, self.metrics_file, self.events_file):
-            f.touch(exist_ok=True)
-        tmp = self.spec_file.with_suffix(".yaml.tmp")
-        tmp.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-        os.replace(tmp, self.spec_file)
+        """Make the dir (0700) and its files; write spec.yaml atomically. Idempotent."""
+        import yaml  # only the worker writes specs; readers of the run dir do not need it
+
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.outputs_dir.mkdir(mode=0o700, exist_ok=True)
+        for name in ("output.log", "metrics.jsonl", "events.jsonl"):
+            with self._open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, write=True):
+                pass
+        text = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True).encode("utf-8")
+        self._replace("spec.yaml", text)
         return self
 
-    def append_event(self, record: dict[str, Any]) -> None:
+    def append_event(self, record: dict[str, Any]) -> bool:
         record = {"ts": time.time(), **record}
-        with open(self.events_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        return self._append("events.jsonl", (strict_json.dumps(record) + "\n").encode("utf-8"))
 
-    def append_log(self, text: str) -> None:
+    def append_log(self, text: str) -> bool:
         """A line from the worker itself (e.g. why an attempt could not start)."""
-        with open(self.log_file, "ab+") as f:
-            if f.tell() > 0:  # a child killed mid-line must not glue its last line to ours
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    text = "\n" + text
-            f.write(text.encode("utf-8", "replace"))
+        return self._append("output.log", text.encode("utf-8", "replace"), newline_guard=True)
 
+    # ------------------------------------------------------------ reading
     def read_log(self, offset: int = 0, limit: int | None = None) -> tuple[int, bytes, int]:
-        """(start, bytes, size): a chunk of output.log; a negative offset counts from the end."""
+        """(start, bytes, size): a chunk of output.log; a negative offset counts from the end.
+
+        Raises RunDirError when output.log is a symlink or not a regular file.
+        """
         try:
-            size = self.log_file.stat().st_size
+            with self._open("output.log", os.O_RDONLY) as fd:
+                size = os.fstat(fd).st_size
+                start = max(0, size + offset) if offset < 0 else min(offset, size)
+                n = size - start if limit is None else min(limit, size - start)
+                data = os.pread(fd, n, start) if n > 0 else b""
+                return start, data, size
         except FileNotFoundError:
             return 0, b"", 0
-        start = max(0, size + offset) if offset < 0 else min(offset, size)
-        n = size - start if limit is None else min(limit, size - start)
-        if n <= 0:
-            return start, b"", size
-        with open(self.log_file, "rb") as f:
-            f.seek(start)
-            data = f.read(n)
-        return start, data, size
 
     def read_metrics(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """(records, next_offset): complete lines of metrics.jsonl from `offset`; bad lines are skipped."""
+        """(records, next_offset): complete lines of metrics.jsonl from `offset`; bad lines are skipped.
+
+        NaN and Infinity read as null. An unsafe metrics file reads as no records.
+        """
         try:
-            with open(self.metrics_file, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
+            data, _ = self._read_bytes("metrics.jsonl", offset)
+        except RunDirError as exc:
+            log.warning("%s", exc)
             return [], offset
         end = data.rfind(b"\n") + 1  # a half-written last line waits for the next read
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                records.append(rec)
-        return records, offset + end
+        return _records(data[:end].splitlines()), offset + end
 
     def last_metrics(self, tail_bytes: int = 65536) -> dict[str, Any] | None:
         try:
-            size = self.metrics_file.stat().st_size
-        except FileNotFoundError:
+            with self._open("metrics.jsonl", os.O_RDONLY) as fd:
+                size = os.fstat(fd).st_size
+                start = max(0, size - tail_bytes)
+                data = os.pread(fd, size - start, start)
+        except (FileNotFoundError, RunDirError):
             return None
-        start = max(0, size - tail_bytes)
-        with open(self.metrics_file, "rb") as f:
-            f.seek(start)
-            data = f.read()
         for line in reversed(data.splitlines()):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                return rec
+            recs = _records([line])
+            if recs:
+                return recs[0]
         return None
 
-    def read_exit_report(self) -> dict[str, Any] | None:
+    def _read_json(self, name: str, max_bytes: int = 1 << 20) -> dict[str, Any] | None:
         try:
-            rep = json.loads(self.exit_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data, _ = self._read_bytes(name, 0, max_bytes)
+            rep = strict_json.loads(data) if data else None
+        except (OSError, ValueError, RunDirError):
             return None
         return rep if isinstance(rep, dict) else None
 
-    def clear_exit_report(self) -> None:
-        self.exit_file.unlink(missing_ok=True)
+    def read_report(self) -> dict[str, Any] | None:
+        """The job's own report (report.json), if it wrote one."""
+        return self._read_json(REPORT_FILE)
+
+    def read_exit(self, attempt: int | None = None) -> dict[str, Any] | None:
+        """The launcher's exit.json, if it belongs to `attempt` (when given)."""
+        rec = self._read_json(EXIT_FILE)
+        if rec is not None and attempt is not None and rec.get("attempt") != attempt:
+            return None
+        return rec
+
+    def read_stop(self, attempt: int) -> str | None:
+        """Why the worker began stopping `attempt` (cancelled, timeout, shutdown), if it did."""
+        rec = self._read_json(STOP_FILE)
+        if rec is None or rec.get("attempt") != attempt or not isinstance(rec.get("reason"), str):
+            return None
+        return rec["reason"]
+
+    def write_stop(self, attempt: int, reason: str) -> bool:
+        """Record, before signalling it, why the worker stops `attempt`: a worker that dies mid-stop
+        still records a cancel as a cancel at its restart."""
+        try:
+            self._replace(STOP_FILE, (strict_json.dumps({"attempt": attempt, "reason": reason}) + "\n").encode())
+            return True
+        except OSError as exc:
+            log.warning("could not write %s: %s", self.path / STOP_FILE, exc)
+            return False
+
+    def _replace(self, name: str, data: bytes) -> None:
+        """Write `name` atomically (a temp file renamed over it); raises OSError."""
+        tmp = f".{name}.tmp"
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE, 0o600, dir_fd=dfd)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    # Kept for callers of the first version: the report a job wrote about itself.
+    read_exit_report = read_report
+
+    def clear_report(self) -> None:
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.unlink(REPORT_FILE, dir_fd=dfd)  # unlinking a planted symlink removes the link only
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+
+    clear_exit_report = clear_report
+
+
+def _records(lines: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        try:
+            rec = strict_json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def utf8_safe_end(data: bytes) -> int:
