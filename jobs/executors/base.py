@@ -1,7 +1,15 @@
-"""The executor interface: start an attempt, poll it, stop it.
+"""The executor interface: prepare an attempt, let it go, poll it, stop it, recover it.
 
 An executor only runs argv; the scheduler decides when, and `classify` turns how a child ended
-into a status and reason.
+into a status and reason. Starting is two steps so that no job code runs unrecorded:
+
+    handle = ex.prepare(launch)   # the child exists, held: its identity is handle.info
+    store.mark_running(..., handle=handle.info)
+    ex.release(handle)            # only now may it run
+
+After a worker crash, `recover` tells for each attempt left live in the store whether its child
+still runs (adopt it), ended meanwhile (its real exit), never ran, or is lost; `reap` kills
+whatever is left of an attempt before it is retried.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import Any
 
 from jobs.rundir import RunDir
 
-__all__ = ["Launch", "Handle", "Exit", "Executor", "SetupFailed", "classify"]
+__all__ = ["Launch", "Handle", "Exit", "Recovered", "Executor", "SetupFailed", "classify"]
 
 
 class SetupFailed(Exception):
@@ -34,30 +42,64 @@ class Launch:
     job_env: dict[str, str] = field(default_factory=dict)  # only what differs from the worker's env (for containers)
     image: str | None = None
     shm_size: int | None = None
+    umask: int = 0o022  # the job's umask (the worker itself runs with 077)
 
 
 @dataclass
 class Handle:
-    """A started attempt; `info` is what the store keeps to find it again after a crash."""
+    """A prepared or running attempt; `info` is what the store keeps to find it again after a crash."""
 
     pid: int | None = None
     pgid: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    obj: Any = None  # the live Popen / container
+    obj: Any = None  # the live Popen / container / adoption state
 
 
 @dataclass
 class Exit:
+    """How an attempt ended."""
+
     exit_code: int | None  # None when killed by a signal
     signal: int | None = None
+    oom: bool | None = None  # the kernel's OOM killer did it (None: cannot tell)
+    ran: bool = True  # False: the child was stopped before it ran any job code
+    setup_error: str | None = None  # it could not start (no such binary, missing workdir)
+    report: dict[str, Any] | None = None  # the job's own report.json
+
+
+@dataclass
+class Recovered:
+    """What became of an attempt while no worker watched it.
+
+    state: "running" (handle set: adopt it), "ended" (exit set), "never_ran", or "lost".
+    """
+
+    state: str
+    handle: Handle | None = None
+    exit: Exit | None = None
+    message: str | None = None
 
 
 class Executor(ABC):
     name: str = "base"
 
     @abstractmethod
+    def prepare(self, launch: Launch) -> Handle:
+        """Create the attempt's child, held before any job code runs; raise SetupFailed when it cannot."""
+
+    @abstractmethod
+    def release(self, handle: Handle) -> None:
+        """Let a prepared attempt run (after its identity is in the store)."""
+
+    def abort(self, handle: Handle) -> None:
+        """Drop a prepared attempt without running it."""
+        self.kill(handle)
+
     def start(self, launch: Launch) -> Handle:
-        """Start the attempt; raise SetupFailed when it cannot start."""
+        """prepare + release, for callers that keep no store (tests, tools)."""
+        handle = self.prepare(launch)
+        self.release(handle)
+        return handle
 
     @abstractmethod
     def poll(self, handle: Handle) -> Exit | None:
@@ -65,18 +107,22 @@ class Executor(ABC):
 
     @abstractmethod
     def terminate(self, handle: Handle) -> None:
-        """Ask the whole attempt to stop (SIGTERM to the process group / docker stop)."""
+        """Ask every process of the attempt to stop (SIGTERM / docker stop)."""
 
     @abstractmethod
     def kill(self, handle: Handle) -> None:
-        """Stop it now (SIGKILL to the process group / docker kill)."""
+        """Stop every process of the attempt now (SIGKILL / docker kill)."""
 
     def cleanup(self, handle: Handle) -> None:
-        """After the attempt ended: reap stragglers, remove containers."""
+        """After the attempt ended and was recorded: reap stragglers, remove cgroups and containers."""
 
-    def kill_orphan(self, info: dict[str, Any], pid: int | None, pgid: int | None) -> bool:
-        """Kill an attempt left by a dead worker; True if something was still alive."""
-        return False
+    def recover(self, job_id: str, attempt: int, info: dict[str, Any] | None, run_dir: RunDir) -> Recovered:
+        """After a worker restart: what became of this attempt (`info` is its recorded identity)."""
+        return Recovered("lost", message="this executor cannot recover attempts")
+
+    def reap(self, job_id: str, attempt: int, info: dict[str, Any] | None, run_dir: RunDir) -> int:
+        """Kill every process left of an attempt no one adopts; returns how many were alive."""
+        return 0
 
 
 def classify(ex: Exit, *, stop_reason: str | None, killed_by_us: bool,
@@ -89,15 +135,20 @@ def classify(ex: Exit, *, stop_reason: str | None, killed_by_us: bool,
         return "CANCELLED", "cancelled", None
     if stop_reason == "timeout":
         return "FAILED", "timeout", "exceeded limits.max_duration"
+    if ex.setup_error:
+        return "FAILED", "setup_failed", ex.setup_error
     if ex.exit_code == 0:
         return "SUCCEEDED", None, None
-    report_reason = (exit_report or {}).get("reason")
-    report_msg = (exit_report or {}).get("message")
-    if report_reason in ("cuda_oom", "setup_failed", "host_oom"):
+    report = exit_report if exit_report is not None else ex.report
+    report_reason = (report or {}).get("reason")
+    report_msg = (report or {}).get("message")
+    if report_reason in ("cuda_oom", "setup_failed", "host_oom", "nonfinite_loss"):
         return "FAILED", report_reason, report_msg
     sigkill = ex.signal == signal.SIGKILL or ex.exit_code == 128 + signal.SIGKILL
     if sigkill and not killed_by_us:
-        return "FAILED", "host_oom", "killed by SIGKILL not sent by the worker (likely the kernel OOM killer)"
+        if ex.oom:
+            return "FAILED", "host_oom", "killed by the kernel's OOM killer (host memory ran out)"
+        return "FAILED", "killed", "killed by a SIGKILL that neither the worker nor the OOM killer sent"
     if ex.signal is not None:
         name = signal.Signals(ex.signal).name if ex.signal in signal.Signals._value2member_map_ else str(ex.signal)
         return "FAILED", "exit_nonzero", report_msg or f"killed by {name}"

@@ -56,7 +56,7 @@ def job_env(spec: JobSpec, run_dir: RunDir, base: dict[str, str]) -> dict[str, s
         "OFFLOAD_JOBS_RUN_DIR": str(run_dir.path),
         "OFFLOAD_JOBS_METRICS": str(run_dir.metrics_file),
         "OFFLOAD_JOBS_OUTPUTS": str(run_dir.outputs_dir),
-        "OFFLOAD_JOBS_EXIT_REPORT": str(run_dir.exit_file),
+        "OFFLOAD_JOBS_EXIT_REPORT": str(run_dir.report_file),
         "PYTHONUNBUFFERED": "1",  # lines reach output.log as they are printed
     })
     return env

@@ -20,16 +20,22 @@ def load_job(argv: list[str] | None = None) -> tuple[JobSpec, Path]:
 
 
 def fail(reason: str, message: str, code: int = 2) -> NoReturn:
-    """Write the exit report the worker reads (reason setup_failed, cuda_oom, ...) and exit."""
+    """Write the report the worker reads (reason setup_failed, cuda_oom, ...) and exit."""
     path = os.environ.get("OFFLOAD_JOBS_EXIT_REPORT")
     if path:
-        Path(path).write_text(json.dumps({"reason": reason, "message": message}), encoding="utf-8")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"reason": reason, "message": message[:2000]}, allow_nan=False))
+        os.replace(tmp, path)
     print(f"[offload-jobs] {reason}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
 def write_metrics(record: dict[str, Any]) -> None:
+    """Append one metrics line; NaN and Infinity are written as null (strict JSON)."""
+    from jobs.strict_json import dumps
+
     path = os.environ.get("OFFLOAD_JOBS_METRICS")
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps(record) + "\n")

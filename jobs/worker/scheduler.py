@@ -3,6 +3,15 @@
 One thread. It wakes at once on submit or cancel (an Event) and otherwise every `tick` seconds
 to poll children, enforce `limits.max_duration` and finish SIGTERM -> SIGKILL escalations.
 GPU jobs take GPU slots (one job per GPU); gpus == 0 jobs share `max_cpu_jobs` slots.
+
+Exactly once, through crashes:
+- a child runs only after its identity is committed (`Executor.prepare`, `mark_running`,
+  `Executor.release`); a crash in between leaves a held child that exits unrun;
+- an ended attempt keeps its place (and its slot) until its completion is written; a failed store
+  write (a full disk, a lock) is retried every tick with back-off, never dropped;
+- at start, `recover` adopts attempts whose child still runs, records the real exit of those that
+  ended while no worker watched (exit.json, the container's state), and kills what is left of any
+  other before it is retried.
 """
 
 from __future__ import annotations
@@ -15,26 +24,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jobs.errors import SpecError
-from jobs.executors import Executor, Handle, Launch, SetupFailed, classify, get_executor
+from jobs.errors import JobNotFound, SpecError, StoreError
+from jobs.executors import Executor, Exit, Handle, Launch, SetupFailed, classify, get_executor
 from jobs.rundir import RunDir
 from jobs.runners import get_runner
 from jobs.spec import JobSpec, parse_spec
 from jobs.store import JobStore
+from jobs.worker.faults import FaultPoints
 
 __all__ = ["Scheduler"]
 
 log = logging.getLogger("offload_jobs.scheduler")
+
+RETRY_MAX_S = 5.0  # back-off ceiling between attempts to write a completion
+
+
+@dataclass
+class _Outcome:
+    status: str
+    reason: str | None
+    exit_code: int | None
+    message: str | None
+    never_ran: bool = False
 
 
 @dataclass
 class _Running:
     job_id: str
     attempt: int
-    spec: JobSpec
+    spec: JobSpec | None
     run_dir: RunDir
-    executor: Executor
-    handle: Handle
+    executor: Executor | None
+    handle: Handle | None
     gpus: list[int]
     started: float
     stop_reason: str | None = None  # cancelled / timeout / shutdown, once we began stopping it
@@ -42,13 +63,16 @@ class _Running:
     killed: bool = False
     metrics_offset: int = 0
     metrics_checked: float = 0.0
+    outcome: _Outcome | None = None  # set once it ended, until the store has it
+    retry_at: float = 0.0
+    failures: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, store: JobStore, home: Path, *, gpu_count: int = 0, max_cpu_jobs: int = 4,
                  tick: float = 0.1, on_finish: Callable[[dict[str, Any]], None] | None = None,
-                 on_start: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_start: Callable[[dict[str, Any]], None] | None = None, job_umask: int = 0o022) -> None:
         self.store = store
         self.home = Path(home)
         self.gpu_count = gpu_count
@@ -58,14 +82,17 @@ class Scheduler:
         self.tick = tick
         self.on_finish = on_finish
         self.on_start = on_start
+        self.job_umask = job_umask
         self.running: dict[str, _Running] = {}
         self._free_gpus = list(range(self.gpu_slots))
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._executors: dict[str, Executor] = {}
         self._base_env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_TOKEN")}
+        self._faults = FaultPoints(self.home)
+        self._claim_blocked_until = 0.0
+        self._last_store_warning = 0.0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -84,12 +111,12 @@ class Scheduler:
         if not stop_running:
             return
         for r in list(self.running.values()):
-            r.stop_reason = "shutdown"
-            r.executor.terminate(r.handle)
-            r.kill_at = time.monotonic() + min(r.spec.limits.stop_grace, timeout)
+            if r.outcome is None and r.handle is not None and r.executor is not None:
+                grace = r.spec.limits.stop_grace if r.spec is not None else 10.0
+                self._begin_stop(r, "shutdown", grace=min(grace, timeout))
         deadline = time.monotonic() + timeout
         while self.running and time.monotonic() < deadline:
-            self._poll_running()
+            self._poll_running(final=True)
             time.sleep(0.05)
 
     # ------------------------------------------------------------ API hooks
@@ -111,11 +138,24 @@ class Scheduler:
                 log.exception("scheduler iteration failed")
                 time.sleep(self.tick)
 
+    def _store_trouble(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_store_warning > 30.0:
+            self._last_store_warning = now
+            log.warning("%s: %s (retrying)", what, exc)
+
     def _start_pending(self) -> None:
+        if time.monotonic() < self._claim_blocked_until:
+            return
         while not self._stop.is_set():
-            cpu_free = self.max_cpu_jobs - sum(1 for r in self.running.values() if r.spec.gpus == 0)
+            cpu_free = self.max_cpu_jobs - sum(1 for r in self.running.values() if r.spec is None or r.spec.gpus == 0)
             gpu_free = len(self._free_gpus)
-            job = self.store.claim_next(gpu_slots=gpu_free, cpu_slots=cpu_free)
+            try:
+                job = self.store.claim_next(gpu_slots=gpu_free, cpu_slots=cpu_free)
+            except StoreError as exc:
+                self._store_trouble("cannot claim jobs", exc)
+                self._claim_blocked_until = time.monotonic() + 1.0
+                return
             if job is None:
                 return
             self._launch(job)
@@ -126,81 +166,112 @@ class Scheduler:
         try:
             spec = parse_spec(job["spec"])
         except SpecError as exc:  # a spec that no longer validates (older schema)
-            self._finish(job_id, number, None, "FAILED", "setup_failed", None, f"spec: {exc}")
+            self._settle(self._pending(job_id, number, run_dir), _Outcome("FAILED", "setup_failed", None, f"spec: {exc}"))
             return
         gpus: list[int] = []
         if spec.gpus > 0:
             gpus, self._free_gpus = self._free_gpus[: spec.gpus], self._free_gpus[spec.gpus:]
+        r = _Running(job_id, number, spec, run_dir, None, None, gpus, time.monotonic())
+        self.running[job_id] = r
         try:
             if not run_dir.spec_file.exists():
                 run_dir.create(job["spec"])
-            run_dir.clear_exit_report()
+            run_dir.clear_report()
             note = f"[offload-jobs] attempt {number}/{job['max_attempts']} of job {job_id} starting"
             if number > 1 and job.get("reason"):
                 note += f" (previous attempt: {job['reason']})"
             run_dir.append_log(note + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
-            executor = self._executor(spec.executor)
-            handle = executor.start(Launch(
+            r.executor = self._executor(spec.executor)
+            r.handle = r.executor.prepare(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
                 gpus=gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
-                job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v},
+                job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v}, umask=self.job_umask,
             ))
         except Exception as exc:  # SetupFailed, or anything else that kept the attempt from starting
-            if not isinstance(exc, SetupFailed):
+            if not isinstance(exc, (SetupFailed, OSError)):
                 log.exception("could not start job %s", job_id)
-                exc = SetupFailed(f"{type(exc).__name__}: {exc}")
-            self._free_gpus.extend(gpus)
-            try:
-                run_dir.append_log(f"[offload-jobs] setup_failed: {exc}\n")
-            except OSError:
-                pass
-            self._finish(job_id, number, spec, "FAILED", "setup_failed", None, str(exc))
+            msg = str(exc) if isinstance(exc, SetupFailed) else f"{type(exc).__name__}: {exc}"
+            run_dir.append_log(f"[offload-jobs] setup_failed: {msg}\n")
+            r.handle = None
+            self._settle(r, _Outcome("FAILED", "setup_failed", None, msg))
             return
-        r = _Running(job_id, number, spec, run_dir, executor, handle, gpus, time.monotonic())
-        self.running[job_id] = r
-        if not self.store.mark_running(job_id, number, executor=executor.name, pid=handle.pid, pgid=handle.pgid,
-                                       handle=handle.info, worker_pid=os.getpid()):
-            self._begin_stop(r, "cancelled")  # cancelled while STARTING
-        elif self.on_start and number == 1:
+        self._faults.pause("prepared")
+        h = r.handle
+        try:
+            go = self.store.mark_running(job_id, number, executor=r.executor.name, pid=h.pid, pgid=h.pgid,
+                                         handle=h.info, worker_pid=os.getpid())
+        except StoreError as exc:
+            # Unrecorded children never run: drop it; the attempt is retried once the store answers.
+            log.warning("job %s: cannot record attempt %d (%s); not starting it", job_id, number, exc)
+            r.executor.abort(h)
+            r.stop_reason = "unrecorded"
+            return
+        self._faults.pause("recorded")
+        if not go:  # cancelled while STARTING
+            r.executor.abort(h)
+            r.stop_reason = "cancelled"
+            return
+        r.executor.release(h)
+        if self.on_start and number == 1:
             self.on_start(job)
+
+    def _pending(self, job_id: str, number: int, run_dir: RunDir) -> _Running:
+        r = _Running(job_id, number, None, run_dir, None, None, [], time.monotonic())
+        self.running[job_id] = r
+        return r
 
     def _executor(self, name: str) -> Executor:
         if name not in self._executors:
             self._executors[name] = get_executor(name)
         return self._executors[name]
 
-    def _poll_running(self) -> None:
+    def _poll_running(self, final: bool = False) -> None:
         if not self.running:
             return
         now = time.monotonic()
         cancelling = self._cancelling_ids()
         for r in list(self.running.values()):
+            if r.outcome is not None:
+                if now >= r.retry_at:
+                    self._record(r)
+                continue
+            if r.handle is None or r.executor is None:
+                continue
             ex = r.executor.poll(r.handle)
             if ex is not None:
                 self._on_exit(r, ex)
                 continue
+            limits = r.spec.limits if r.spec is not None else None
             if r.stop_reason is None and r.job_id in cancelling:
                 self._begin_stop(r, "cancelled")
-            elif r.stop_reason is None and r.spec.limits.max_duration and now - r.started > r.spec.limits.max_duration:
-                r.run_dir.append_log(f"[offload-jobs] max_duration {r.spec.limits.max_duration:g}s exceeded; stopping\n")
+            elif r.stop_reason is None and limits and limits.max_duration and now - r.started > limits.max_duration:
+                r.run_dir.append_log(f"[offload-jobs] max_duration {limits.max_duration:g}s exceeded; stopping\n")
                 self._begin_stop(r, "timeout")
             elif r.kill_at is not None and not r.killed and now >= r.kill_at:
                 r.killed = True
                 r.executor.kill(r.handle)
-            if now - r.metrics_checked > 1.0:
+            if not final and now - r.metrics_checked > 1.0:
                 self._read_metrics(r)
 
     def _cancelling_ids(self) -> set[str]:
         # One cheap indexed query per tick instead of one per running job.
-        return {j["id"] for j in self.store.list_jobs(status="CANCELLING")} if self.running else set()
+        try:
+            return {j["id"] for j in self.store.list_jobs(status="CANCELLING", summary=True)}
+        except StoreError as exc:
+            self._store_trouble("cannot read cancellations", exc)
+            return set()
 
-    def _begin_stop(self, r: _Running, reason: str) -> None:
+    def _begin_stop(self, r: _Running, reason: str, grace: float | None = None) -> None:
+        assert r.executor is not None and r.handle is not None
         r.stop_reason = reason
+        r.run_dir.write_stop(r.attempt, reason)  # first: a crash mid-stop still knows why
+        if grace is None:
+            grace = r.spec.limits.stop_grace if r.spec is not None else 10.0
         r.executor.terminate(r.handle)
-        r.kill_at = time.monotonic() + r.spec.limits.stop_grace
-        if r.spec.limits.stop_grace == 0:
+        r.kill_at = time.monotonic() + grace
+        if grace == 0:
             r.killed = True
             r.executor.kill(r.handle)
 
@@ -208,60 +279,159 @@ class Scheduler:
         r.metrics_checked = time.monotonic()
         records, r.metrics_offset = r.run_dir.read_metrics(r.metrics_offset)
         if records:
-            self.store.set_last_metrics(r.job_id, records[-1])
+            try:
+                self.store.set_last_metrics(r.job_id, records[-1])
+            except StoreError as exc:
+                self._store_trouble(f"job {r.job_id}: cannot record metrics", exc)
 
-    def _on_exit(self, r: _Running, ex: Any) -> None:
-        r.executor.cleanup(r.handle)
-        self.running.pop(r.job_id, None)
-        self._free_gpus.extend(r.gpus)
-        self._free_gpus.sort()
+    # ------------------------------------------------------------ completions
+    def _on_exit(self, r: _Running, ex: Exit) -> None:
         self._read_metrics(r)
-        if r.stop_reason == "shutdown":
-            status, reason, msg = "FAILED", "worker_lost", "the worker stopped while the job ran"
-        else:
-            status, reason, msg = classify(ex, stop_reason=r.stop_reason, killed_by_us=r.killed,
-                                           exit_report=r.run_dir.read_exit_report())
-        code = ex.exit_code if ex.exit_code is not None else (-ex.signal if ex.signal else None)
-        tail = f"[offload-jobs] attempt {r.attempt} ended: {status}" + (f" ({reason})" if reason else "")
-        r.run_dir.append_log(tail + (f": {msg}" if msg and reason != "cancelled" else "") + "\n")
-        self._finish(r.job_id, r.attempt, r.spec, status, reason, code, msg)
+        outcome = self._judge(r.stop_reason, r.killed, ex)
+        tail = f"[offload-jobs] attempt {r.attempt} ended: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
+        if outcome.message and outcome.reason != "cancelled":
+            tail += f": {outcome.message}"
+        r.run_dir.append_log(tail + "\n")
+        self._settle(r, outcome)
 
-    def _finish(self, job_id: str, number: int, spec: JobSpec | None, status: str, reason: str | None,
-                exit_code: int | None, message: str | None) -> None:
-        requeue = False
-        if status == "FAILED" and spec is not None and reason in spec.retry.on:
-            job = self.store.get_job(job_id)
-            requeue = number < job["max_attempts"] and job["status"] != "CANCELLING"
-        job = self.store.finish_attempt(job_id, number, status=status, reason=reason, exit_code=exit_code,
-                                        message=message, requeue=requeue)
+    @staticmethod
+    def _judge(stop_reason: str | None, killed: bool, ex: Exit) -> _Outcome:
+        code = ex.exit_code if ex.exit_code is not None else (-ex.signal if ex.signal else None)
+        if not ex.ran:
+            if stop_reason == "cancelled":
+                return _Outcome("CANCELLED", "cancelled", None, None)
+            return _Outcome("FAILED", "worker_lost", None, "the attempt was stopped before it ran; it is queued again",
+                            never_ran=True)
+        if stop_reason == "shutdown":
+            return _Outcome("FAILED", "worker_lost", code, "the worker stopped while the job ran")
+        status, reason, msg = classify(ex, stop_reason=stop_reason, killed_by_us=killed, exit_report=None)
+        return _Outcome(status, reason, code, msg)
+
+    def _settle(self, r: _Running, outcome: _Outcome) -> None:
+        r.outcome = outcome
+        self._record(r)
+
+    def _record(self, r: _Running) -> None:
+        """Write r's completion; on a store failure keep it (and its slot) and try again later."""
+        o = r.outcome
+        assert o is not None
+        retry_on = list(r.spec.retry.on) if r.spec is not None else []
+        try:
+            job = self.store.finish_attempt(r.job_id, r.attempt, status=o.status, reason=o.reason,
+                                            exit_code=o.exit_code, message=o.message, retry_on=retry_on,
+                                            never_ran=o.never_ran)
+        except StoreError as exc:
+            r.failures += 1
+            r.retry_at = time.monotonic() + min(RETRY_MAX_S, 0.1 * 2 ** r.failures)
+            if r.failures == 1 or r.failures % 20 == 0:
+                log.warning("job %s: completion of attempt %d not recorded yet (%s); kept, retrying",
+                            r.job_id, r.attempt, exc)
+            return
+        if r.failures:
+            log.warning("job %s: completion of attempt %d recorded after %d failed writes", r.job_id, r.attempt,
+                        r.failures)
+        if r.handle is not None and r.executor is not None:
+            try:
+                r.executor.cleanup(r.handle)
+            except Exception:
+                log.exception("cleanup of job %s failed", r.job_id)
+        self.running.pop(r.job_id, None)
+        self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
+        self._free_gpus.sort()
         if self.on_finish:
             self.on_finish(job)
         self._wake.set()
 
     # ------------------------------------------------------------ recovery
     def recover(self) -> list[str]:
-        """Attempts left STARTING/RUNNING by a dead worker -> FAILED worker_lost, retried per policy."""
-        lost = []
+        """Settle every attempt a dead worker left live: adopt, record its real end, or retry it.
+
+        Returns the ids of the jobs whose attempt was not adopted.
+        """
+        settled = []
         for a in self.store.live_attempts():
-            executor = None
-            try:
-                executor = self._executor(a["executor"] or "process")
-            except SetupFailed:
-                pass
-            if executor is not None:
-                executor.kill_orphan(a["handle"] or {}, a["pid"], a["pgid"])
-            job = self.store.get_job(a["job_id"])
-            run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job["id"]).path)
+            job_id, number = a["job_id"], a["number"]
+            job = self.store.get_job(job_id)
+            run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
             try:
                 spec: JobSpec | None = parse_spec(job["spec"])
             except SpecError:
                 spec = None
-            if job["status"] == "CANCELLING":
-                status, reason, msg = "CANCELLED", "cancelled", None
+            try:
+                executor: Executor | None = self._executor(a["executor"] or (spec.executor if spec else "process"))
+            except SetupFailed:
+                executor = None
+            stop = run_dir.read_stop(number)
+            if stop is None and job["status"] == "CANCELLING":
+                stop = "cancelled"
+            rec = executor.recover(job_id, number, a["handle"], run_dir) if executor is not None else None
+            if rec is not None and rec.state == "running" and spec is not None and rec.handle is not None:
+                self._adopt(job, a, spec, run_dir, executor, rec.handle, stop)
+                continue
+            if executor is not None:
+                executor.reap(job_id, number, a["handle"], run_dir)  # nothing of it may run beside a retry
+            if rec is not None and rec.state == "ended" and rec.exit is not None:
+                outcome = self._judge(stop, stop is not None, rec.exit)
+                how = f"it ended while no worker watched: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
+            elif rec is not None and rec.state == "never_ran":
+                outcome = self._judge(stop, False, Exit(None, ran=False))
+                how = "it had not started yet; " + ("cancelled" if outcome.status == "CANCELLED" else "queued again")
+            elif stop == "cancelled":
+                outcome, how = _Outcome("CANCELLED", "cancelled", None, None), "recovered as cancelled"
+            elif stop == "timeout":
+                outcome, how = _Outcome("FAILED", "timeout", None, "exceeded limits.max_duration"), "recovered as timeout"
             else:
-                status, reason, msg = "FAILED", "worker_lost", "the worker died while this attempt ran"
+                msg = (rec.message if rec is not None else None) or "the worker died while this attempt ran"
+                outcome, how = _Outcome("FAILED", "worker_lost", None, msg), f"lost ({msg})"
             if run_dir.path.exists():
-                run_dir.append_log(f"[offload-jobs] attempt {a['number']} lost: the worker died; recovered as {reason}\n")
-            self._finish(job["id"], a["number"], spec, status, reason, None, msg)
-            lost.append(job["id"])
-        return lost
+                run_dir.append_log(f"[offload-jobs] worker restarted; attempt {number}: {how}\n")
+            r = _Running(job_id, number, spec, run_dir, None, None, [], time.monotonic())
+            self.running[job_id] = r
+            self._settle(r, outcome)
+            settled.append(job_id)
+        self._sweep()
+        return settled
+
+    def _sweep(self) -> None:
+        """Remove cgroups left by attempts whose worker died after recording them, before cleanup."""
+        try:
+            process = self._executor("process")
+        except SetupFailed:
+            return
+        sweep = getattr(process, "sweep", None)
+        if sweep is None:
+            return
+
+        def keep(job_id: str, attempt: int) -> bool:
+            r = self.running.get(job_id)
+            if r is not None and r.attempt == attempt:
+                return True  # adopted, or its completion is still to be written
+            try:
+                self.store.get_job(job_id)
+            except JobNotFound:
+                return True  # not this store's job: another worker's
+            return False
+
+        try:
+            n = sweep(keep)
+        except OSError as exc:
+            log.warning("could not sweep stale cgroups: %s", exc)
+            return
+        if n:
+            log.info("removed %d cgroups of attempts that ended during a crash", n)
+
+    def _adopt(self, job: dict[str, Any], a: dict[str, Any], spec: JobSpec, run_dir: RunDir, executor: Executor,
+               handle: Handle, stop: str | None) -> None:
+        gpus = [g for g in (handle.info.get("gpus") or []) if g in self._free_gpus]
+        self._free_gpus = [g for g in self._free_gpus if g not in gpus]
+        age = max(0.0, time.time() - (a.get("started_at") or time.time()))
+        r = _Running(job["id"], a["number"], spec, run_dir, executor, handle, gpus, time.monotonic() - age)
+        try:
+            r.metrics_offset = run_dir.metrics_file.stat().st_size
+        except OSError:
+            pass
+        self.running[job["id"]] = r
+        run_dir.append_log(f"[offload-jobs] worker restarted; attempt {a['number']} is still running and was adopted\n")
+        if stop is not None:
+            self._begin_stop(r, stop)
+        log.info("adopted job %s attempt %d (pid %s)", job["id"], a["number"], handle.pid)

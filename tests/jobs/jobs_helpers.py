@@ -28,24 +28,28 @@ def free_port() -> int:
 class WorkerProcess:
     """`python -m jobs.worker` as a child; start, kill -9 and restart it on the same state dir."""
 
-    def __init__(self, home: Path, *extra_args: str) -> None:
+    def __init__(self, home: Path, *extra_args: str, env: dict[str, str] | None = None) -> None:
         self.home = home
+        self.extra_env = dict(env or {})
         self.port = free_port()
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / "worker-test.log"
 
-    def start(self, timeout: float = 30.0) -> "WorkerProcess":
+    def start(self, timeout: float = 30.0, wait: bool = True) -> "WorkerProcess":
         self.home.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        env.update(self.extra_env)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jobs.worker", "--port", str(self.port), "--home", str(self.home),
                  "--log-level", "warning", *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
             )
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,3 +102,34 @@ def pgid_alive(pgid: int) -> list[int]:
 
 def read_json_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tagged_processes(job_ids: set[str]) -> list[int]:
+    """Live pids whose environment says they belong to one of `job_ids` (launchers and jobs alike)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].split()[0] == "Z":
+            continue
+        for item in env:
+            if item.startswith(b"OFFLOAD_JOBS_JOB_ID=") and item[20:].decode(errors="replace") in job_ids:
+                found.append(int(d.name))
+                break
+    return found
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
