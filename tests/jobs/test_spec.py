@@ -171,7 +171,7 @@ _BAD: dict[str, st.SearchStrategy] = {
     "limits.max_duration": st.sampled_from(["soon", "10 parsecs", "1h30", 0, -5]),
     "limits.stop_grace": st.integers(max_value=-1) | st.just("later"),
     "retry.max_attempts": st.integers(max_value=0),
-    "retry.on": st.lists(st.sampled_from(["oops", "oom", "killed"]), min_size=1, max_size=3),
+    "retry.on": st.lists(st.sampled_from(["oops", "oom", "murdered"]), min_size=1, max_size=3),
     "env": st.sampled_from([["A=1"], "A=1", 5]),
     "env.X": st.sampled_from([[1], {"a": 1}, None]),
     "model": st.sampled_from(["flux", 3, ["a"]]),

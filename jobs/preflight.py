@@ -1,0 +1,72 @@
+"""Checks a spec against the worker's machine at submit: the paths it names and its image exist.
+
+A spec can be valid and still unable to run here: a model folder that is not on this disk, a
+workdir that was never made, an image dockerd does not have. Those fail at submit (and in
+`offload-jobs validate --strict`) with the field named, not minutes later as setup_failed.
+Paths of `executor: docker` jobs live inside the container, so only the image is checked there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jobs.errors import SpecError
+from jobs.spec import JobSpec
+
+__all__ = ["spec_paths", "preflight"]
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+# (field, what it must be, kinds it applies to). Runner modules with other fields add theirs here.
+PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("workdir", "dir", ("train", "infer", "shard", "command")),
+    ("shard.src", "any", ("shard",)),
+    ("model.path", "any", ("train", "infer")),
+    ("train.dataset", "dir", ("train",)),
+]
+
+
+def spec_paths(spec: JobSpec) -> list[tuple[str, str, str]]:
+    """(field, path, "dir" | "any") for each path the spec names that must exist before it runs."""
+    out = []
+    for field, what, kinds in PATH_FIELDS:
+        if spec.kind not in kinds:
+            continue
+        value = _get(spec, field)
+        if isinstance(value, str) and value:
+            out.append((field, os.path.expanduser(value), what))
+    return out
+
+
+def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) -> None:
+    """Raise SpecError naming the first field whose path or image is not on this machine.
+
+    `has_image(image)` asks the Docker host; it may raise SetupFailed when there is no daemon.
+    """
+    if spec.executor == "docker":
+        image = spec.image or os.environ.get("OFFLOAD_JOBS_DOCKER_IMAGE")
+        if not image:
+            raise SpecError("image", "executor: docker needs `image` (or OFFLOAD_JOBS_DOCKER_IMAGE on the worker)")
+        if has_image is not None:
+            try:
+                present = has_image(image)
+            except Exception as exc:  # no daemon: the same words the executor would use
+                raise SpecError("executor", str(exc)) from None
+            if not present:
+                raise SpecError("image", f"{image} is not on the worker's Docker host; `docker pull {image}` first")
+        return
+    for field, path, what in spec_paths(spec):
+        if what == "dir" and not os.path.isdir(path):
+            why = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise SpecError(field, f"{path} {why} on the worker")
+        if what == "any" and not os.path.exists(path):
+            raise SpecError(field, f"{path} does not exist on the worker")
