@@ -4,25 +4,47 @@ Light on purpose (httpx + stdlib): `offload-jobs ps` must answer at once.
 
 A job is a dict with at least: id, name, kind, status, reason, attempt, max_attempts, priority,
 created_at, started_at, finished_at (epoch seconds or None), exit_code, run_dir, spec, last_metrics.
+
+The token in a state dir is sent only to the worker that state dir names (its worker.json), and
+only once that worker has proved it holds the token (an HMAC of a fresh challenge, `/healthz`):
+a stale worker.json, or another program on the worker's old port, never sees it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import ssl
+import sys
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+if "httpx" not in sys.modules:
+    # httpx imports its command-line tool on import (click, rich, pygments: ~70 ms of `ps`);
+    # with this placeholder its own ImportError fallback skips that. The library is unchanged.
+    sys.modules["httpx._main"] = types.ModuleType("httpx._main")
+    try:
+        import httpx
+    finally:
+        if getattr(sys.modules.get("httpx._main"), "__file__", None) is None:
+            sys.modules.pop("httpx._main", None)
+else:
+    import httpx
 
-from jobs.errors import AuthError, InvalidTransition, JobNotFound, JobsError, SpecError, WorkerUnreachable
+from jobs.errors import (
+    AuthError, InvalidTransition, JobNotFound, JobsError, RequestTooLarge, SpecError, StoreError, WorkerUnreachable,
+)
 from jobs.home import DEFAULT_URL, read_token, read_worker_info, state_home
+from jobs.vocab import TERMINAL
 
 __all__ = ["JobsClient", "TERMINAL_STATES"]
 
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+TERMINAL_STATES = TERMINAL
 
 
 class _LazyTLSTransport(httpx.BaseTransport):
@@ -53,26 +75,42 @@ class _LazyTLSTransport(httpx.BaseTransport):
 
 
 class JobsClient:
-    """Talks to one worker at `url` with a bearer `token`."""
+    """Talks to one worker at `url` with a bearer `token`.
+
+    With `verify=True` the token is sent only after the worker proved it holds it (see above).
+    """
 
     def __init__(self, url: str = DEFAULT_URL, token: str | None = None, *, timeout: float = 10.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, verify: bool = False) -> None:
         self.url = url.rstrip("/")
         self.token = token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._verify = bool(verify and token)
+        headers = {"Authorization": f"Bearer {token}"} if token and not self._verify else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   transport=transport if transport is not None else _LazyTLSTransport())
 
     @classmethod
     def from_env(cls, home: str | os.PathLike[str] | None = None, **kwargs: Any) -> "JobsClient":
-        """URL from $OFFLOAD_JOBS_URL or the state dir's worker.json; token from $OFFLOAD_JOBS_TOKEN or its token file."""
+        """The worker of $OFFLOAD_JOBS_URL (token: $OFFLOAD_JOBS_TOKEN) or of the state dir.
+
+        The state dir's token goes only to the state dir's own worker (worker.json), verified.
+        With neither a URL nor a worker.json, no request is made at all.
+        """
         h = state_home(home)
-        url = os.environ.get("OFFLOAD_JOBS_URL")
-        if not url:
-            info = read_worker_info(h)
-            url = info.get("url") if info else None
-        token = os.environ.get("OFFLOAD_JOBS_TOKEN") or read_token(h)
-        return cls(url or DEFAULT_URL, token, **kwargs)
+        info = read_worker_info(h) or {}
+        home_url = str(info["url"]).rstrip("/") if info.get("url") else None
+        env_url = os.environ.get("OFFLOAD_JOBS_URL")
+        env_token = os.environ.get("OFFLOAD_JOBS_TOKEN")
+        url = env_url.rstrip("/") if env_url else home_url
+        if url is None:
+            raise WorkerUnreachable(str(h), message=(
+                f"no offload-jobs worker is running for {h} (it has no worker.json); start one with "
+                "`offload-jobs up --local`, or point OFFLOAD_JOBS_URL (and OFFLOAD_JOBS_TOKEN) at one"))
+        if env_token:
+            return cls(url, env_token, **kwargs)
+        if url == home_url:
+            return cls(url, read_token(h), verify=True, **kwargs)
+        return cls(url, None, **kwargs)  # some other worker: it gets no token of ours
 
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
@@ -84,7 +122,30 @@ class JobsClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _ensure_verified(self) -> None:
+        if not self._verify:
+            return
+        challenge = secrets.token_hex(16)
+        try:
+            r = self._http.get("/healthz", params={"challenge": challenge})
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            raise WorkerUnreachable(self.url, type(exc).__name__) from None
+        except httpx.TimeoutException:
+            raise WorkerUnreachable(self.url, "timed out") from None
+        try:
+            proof = r.json().get("proof") if r.status_code == 200 else None
+        except ValueError:
+            proof = None
+        expected = hmac.new(str(self.token).encode(), challenge.encode(), hashlib.sha256).hexdigest()
+        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+            raise AuthError(f"the server at {self.url} is not the worker of this state dir (it cannot prove it holds "
+                            "the token); the token was not sent. Is worker.json stale? Start the worker again with "
+                            "`offload-jobs up --local`")
+        self._http.headers["Authorization"] = f"Bearer {self.token}"
+        self._verify = False
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        self._ensure_verified()
         try:
             r = self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
@@ -100,6 +161,8 @@ class JobsClient:
             body = r.json()
         except ValueError:
             body = {"error": r.text.strip() or r.reason_phrase}
+        if not isinstance(body, dict):
+            body = {"error": str(body)}
         msg = body.get("error") or body.get("detail") or r.reason_phrase
         if r.status_code == 401:
             raise AuthError(f"worker at {self.url} refused the token ({msg}); set OFFLOAD_JOBS_TOKEN or check the state dir's token file")
@@ -111,6 +174,10 @@ class JobsClient:
             raise InvalidTransition(msg)
         if r.status_code in (400, 422) and "field" in body:
             raise SpecError(body.get("field"), body.get("message") or msg, line=body.get("line"))
+        if r.status_code == 413:
+            raise RequestTooLarge(msg)
+        if r.status_code == 503 and body.get("store"):
+            raise StoreError(f"worker at {self.url}: {msg}")
         raise JobsError(f"worker at {self.url} answered {r.status_code}: {msg}")
 
     # ------------------------------------------------------------ API
@@ -121,13 +188,34 @@ class JobsClient:
         """Queue a job from a spec dict (e.g. `load_spec(...).model_dump()` or raw YAML data)."""
         return self._request("POST", "/v1/jobs", json={"spec": spec})
 
-    def list(self, status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    def validate(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Validate a spec on the worker, with its paths and image checked there; raises SpecError."""
+        return self._request("POST", "/v1/validate", json={"spec": spec})
+
+    def list(self, status: str | None = None, limit: int | None = None, *, summary: bool = False) -> list[dict[str, Any]]:
+        """Jobs, newest first; `summary` leaves out each spec and its metrics (what a table needs)."""
+        return self.page(status, limit, summary=summary)[0]
+
+    def page(self, status: str | None = None, limit: int | None = None, *,
+             summary: bool = False) -> tuple[list[dict[str, Any]], int]:
+        """(the newest `limit` jobs, how many match in all)."""
         params: dict[str, Any] = {}
         if status:
             params["status"] = status
         if limit is not None:
             params["limit"] = limit
-        return self._request("GET", "/v1/jobs", params=params)["jobs"]
+        if summary:
+            params["view"] = "summary"
+        body = self._request("GET", "/v1/jobs", params=params)
+        return body["jobs"], int(body.get("total", len(body["jobs"])))
+
+    def delete(self, job_id: str) -> dict[str, Any]:
+        """Remove a finished job, its history and its run dir."""
+        return self._request("DELETE", f"/v1/jobs/{job_id}")
+
+    def prune(self, older_than: float, dry_run: bool = False) -> dict[str, Any]:
+        """Remove every finished job that finished more than `older_than` seconds ago."""
+        return self._request("POST", "/v1/prune", json={"older_than": older_than, "dry_run": dry_run})
 
     def get(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}")
@@ -176,20 +264,28 @@ class JobsClient:
                 raise TimeoutError(f"job {job_id} still {job['status']} after {timeout}s")
             time.sleep(poll)
 
-    def events(self, last_event_id: int | None = None) -> Iterator[dict[str, Any]]:
-        """Server-sent events: dicts with `id`, `type` and the event's fields. Ends when the worker stops."""
+    def events(self, last_event_id: int | None = None, job_id: str | None = None,
+               read_timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Server-sent events: dicts with `id`, `type` and the event's fields. Ends when the worker stops.
+
+        `job_id` keeps only that job's events. `read_timeout` ends the stream (without error) after
+        that long with nothing, not even a keep-alive, from the worker.
+        """
+        self._ensure_verified()
         headers = {"Accept": "text/event-stream"}
         if last_event_id is not None:
             headers["Last-Event-ID"] = str(last_event_id)
+        params = {"job_id": job_id} if job_id else None
         try:
-            with self._http.stream("GET", "/v1/events", headers=headers, timeout=httpx.Timeout(10.0, read=None)) as r:
+            with self._http.stream("GET", "/v1/events", headers=headers, params=params,
+                                   timeout=httpx.Timeout(10.0, read=read_timeout)) as r:
                 if r.status_code >= 400:
                     r.read()
                     self._check(r)
                 yield from _parse_sse(r.iter_lines())
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise WorkerUnreachable(self.url, type(exc).__name__) from None
-        except (httpx.RemoteProtocolError, httpx.ReadError):
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout):
             return  # the worker went away mid-stream; callers resume with the last id
 
 
@@ -200,7 +296,11 @@ def _parse_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if line == "":
             if data:
-                payload = json.loads("\n".join(data))
+                try:
+                    payload = json.loads("\n".join(data), parse_constant=lambda _c: None)
+                except ValueError:
+                    ev_id, ev_type, data = None, "message", []
+                    continue
                 if not isinstance(payload, dict):
                     payload = {"data": payload}
                 payload.setdefault("type", ev_type)

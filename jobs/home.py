@@ -1,10 +1,13 @@
 """Where a worker keeps its state, and how clients find it (light: stdlib only).
 
     $OFFLOAD_JOBS_HOME (default ~/.offload-jobs)/
-        token          bearer token, mode 0600, made on the worker's first start
+        token          bearer token, made on the worker's first start
+        worker.lock    held (flock) by the running worker
         worker.json    {"url", "pid", "host", "port", "started_at"} of the running worker
         jobs.db        the SQLite store (WAL)
         runs/<id>/     one run dir per job
+
+The state dir is 0700 and every file in it 0600: specs carry `env:` secrets (HF_TOKEN, ...).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_URL", "state_home", "read_token", "ensure_token", "read_worker_info"]
+__all__ = ["DEFAULT_PORT", "DEFAULT_URL", "state_home", "read_token", "ensure_token", "read_worker_info",
+           "secure_home", "write_private"]
 
 DEFAULT_PORT = 8765
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -38,19 +42,47 @@ def read_token(home: Path) -> str | None:
         return None
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `path` atomically with mode 0600 (a temp file beside it, renamed over it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def ensure_token(home: Path) -> str:
     """Read the token, or create it (0600, written atomically) on first start."""
     token = read_token(home)
     if token:
         return token
-    home.mkdir(parents=True, exist_ok=True)
+    secure_home(home)
     token = secrets.token_urlsafe(32)
-    tmp = home / f".{TOKEN_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.replace(tmp, home / TOKEN_FILE)
+    write_private(home / TOKEN_FILE, token + "\n")
     return token
+
+
+_PRIVATE_FILES = ("jobs.db", "jobs.db-wal", "jobs.db-shm", TOKEN_FILE, WORKER_FILE, "worker.log", "worker.lock")
+
+
+def secure_home(home: Path) -> Path:
+    """Make the state dir (0700) or take back its mode, and its own files' (0600).
+
+    A state dir made by an older version (0755, files 0644) is tightened on the next start.
+    """
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(home, 0o700)
+    runs = home / "runs"
+    if runs.is_dir() and not runs.is_symlink():
+        os.chmod(runs, 0o700)
+    for name in _PRIVATE_FILES:
+        p = home / name
+        try:
+            if not p.is_symlink():
+                os.chmod(p, 0o600)
+        except FileNotFoundError:
+            pass
+    return home
 
 
 def read_worker_info(home: Path) -> dict[str, Any] | None:

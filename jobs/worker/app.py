@@ -2,13 +2,18 @@
 
 `create_app` wires the store, scheduler, auth and metrics; the lifespan recovers lost attempts
 and runs the scheduler. Handlers are sync (run in the thread pool) except the event stream.
+Every response body is strict JSON (`strict_json`): a NaN in a job's metrics is null on the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -21,24 +26,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
 import jobs
-from jobs.errors import InvalidTransition, JobNotFound, SpecError
-from jobs.home import ensure_token
+from jobs import strict_json
+from jobs.errors import InvalidTransition, JobNotFound, RequestTooLarge, RunDirError, SpecError, StoreError
+from jobs.home import ensure_token, secure_home
+from jobs.preflight import preflight
 from jobs.rundir import RunDir, utf8_safe_end
-from jobs.spec import parse_spec
+from jobs.spec import MAX_SPEC_BYTES, JobSpec, parse_spec
 from jobs.store import TERMINAL, JobStore
-from jobs.worker.auth import AuthMiddleware, allowed_hosts
+from jobs.worker.auth import AuthMiddleware, BodyLimitMiddleware, allowed_hosts
 from jobs.worker.metrics import TimingMiddleware, WorkerMetrics
 from jobs.worker.scheduler import Scheduler
 
-__all__ = ["create_app", "EventBus"]
+__all__ = ["create_app", "EventBus", "open_store"]
+
+log = logging.getLogger("offload_jobs.app")
 
 LOG_CHUNK = 1 << 20
 KEEPALIVE_S = 15.0
+LIST_LIMIT_MAX = 100_000
 
 
 def _json(obj: Any, status: int = 200) -> Response:
-    # json.dumps directly: jsonable_encoder costs ~10x on a 1,000-job list.
-    return Response(json.dumps(obj, separators=(",", ":")), status_code=status, media_type="application/json")
+    # strict_json directly: jsonable_encoder costs ~10x on a 1,000-job list.
+    return Response(strict_json.dumps(obj), status_code=status, media_type="application/json")
 
 
 class EventBus:
@@ -67,14 +77,62 @@ class EventBus:
             ev.set()
 
 
+def open_store(home: Path) -> JobStore:
+    """The state dir's store, refusing to start over a store that lost the history beside it.
+
+    A zero-byte or unreadable jobs.db next to a runs/ that holds jobs means the store was
+    truncated or corrupted: starting an empty store there would silently drop every job.
+    """
+    db = home / "jobs.db"
+    runs = home / "runs"
+    n_runs = sum(1 for _ in runs.iterdir()) if runs.is_dir() else 0
+    advice = (f"restore {db} from a backup, or move it aside (mv {db} {db}.broken) to start an empty store; "
+              f"the {n_runs} run dirs in {runs} are kept")
+    if db.exists() and db.stat().st_size == 0 and n_runs:
+        raise StoreError(f"{db} is empty (0 bytes) but {runs} holds {n_runs} jobs: the store was truncated; {advice}")
+    store = JobStore(db)
+    problem = store.integrity_problem()
+    if problem is not None:
+        store.close()
+        raise StoreError(f"{db} is corrupt ({problem}); {advice}")
+    return store
+
+
+def _parse_body(raw: bytes) -> Any:
+    """The request's JSON, strictly: no NaN/Infinity, no duplicate keys, bounded nesting."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise SpecError(k, "duplicate key")
+            out[k] = v
+        return out
+
+    def constant(name: str) -> Any:
+        raise SpecError(None, f"{name} is not JSON (numbers must be finite)")
+
+    try:
+        return json.loads(raw, object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        raise SpecError(None, "the request nests too deeply") from None
+    except UnicodeDecodeError:
+        raise SpecError(None, "the request body is not UTF-8") from None
+    except ValueError as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(None, "request body must be JSON: {\"spec\": {...}}") from None
+
+
 def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: str | None = None,
                max_cpu_jobs: int = 4, gpu_count: int | None = None, extra_hosts: Iterable[str] = (),
-               tick: float = 0.1) -> FastAPI:
+               tick: float = 0.1, job_umask: int = 0o022, max_spec_bytes: int = MAX_SPEC_BYTES) -> FastAPI:
     home = Path(home).expanduser()
-    home.mkdir(parents=True, exist_ok=True)
+    secure_home(home)
     token = token or ensure_token(home)
     bus = EventBus()
-    store = JobStore(home / "jobs.db")
+    store = open_store(home)
+    secure_home(home)  # the store's files, now that they exist
     if gpu_count is None:
         gpu_count = _detect_gpus()
 
@@ -86,7 +144,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         bus.notify()
 
     store.on_event = on_event
-    sched = Scheduler(store, home, gpu_count=gpu_count, max_cpu_jobs=max_cpu_jobs, tick=tick)
+    sched = Scheduler(store, home, gpu_count=gpu_count, max_cpu_jobs=max_cpu_jobs, tick=tick, job_umask=job_umask)
     metrics = WorkerMetrics(store.counts, lambda: len(sched.running))
     sched.on_finish = metrics.on_finish
     sched.on_start = lambda job: metrics.queue_wait.observe(max(0.0, time.time() - job["created_at"]))
@@ -116,9 +174,21 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     async def _conflict(_: Request, exc: InvalidTransition) -> Response:
         return _json({"error": str(exc)}, 409)
 
+    @app.exception_handler(RunDirError)
+    async def _unsafe(_: Request, exc: RunDirError) -> Response:
+        return _json({"error": str(exc)}, 409)
+
     @app.exception_handler(SpecError)
     async def _bad_spec(_: Request, exc: SpecError) -> Response:
         return _json({"error": str(exc), "message": exc.message, "field": exc.field, "line": exc.line}, 400)
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(_: Request, exc: RequestTooLarge) -> Response:
+        return _json({"error": str(exc), "too_large": True}, 413)
+
+    @app.exception_handler(StoreError)
+    async def _store_down(_: Request, exc: StoreError) -> Response:
+        return _json({"error": str(exc), "store": True}, 503)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> Response:
@@ -126,20 +196,11 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         field = ".".join(str(p) for p in err.get("loc", ())[1:])
         return _json({"error": f"{field}: {err.get('msg')}", "param": field}, 400)
 
-    @app.get("/healthz")
-    def healthz() -> Response:
-        return _json({"ok": True, "version": jobs.__version__, "pid": os.getpid()})
+    def _has_image(image: str) -> bool:
+        return sched._executor("docker").has_image(image)  # type: ignore[attr-defined]
 
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/jobs")
-    async def submit(request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise SpecError(None, "request body must be JSON: {\"spec\": {...}}") from None
+    async def _read_spec(request: Request) -> tuple[JobSpec, dict[str, Any]]:
+        body = _parse_body(await request.body())
         raw = body.get("spec") if isinstance(body, dict) else None
         if not isinstance(raw, dict):
             raise SpecError(None, "request body must be {\"spec\": {...}}")
@@ -147,29 +208,82 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         if spec.gpus > sched.gpu_slots:
             raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
         data = spec.model_dump(mode="json", exclude_unset=True)
+        if len(strict_json.dumps(data)) > max_spec_bytes:
+            raise RequestTooLarge(f"the spec is over {max_spec_bytes} bytes, the worker's limit")
+        await asyncio.to_thread(preflight, spec, has_image=_has_image)
+        return spec, data
+
+    @app.get("/healthz")
+    def healthz(challenge: str | None = None) -> Response:
+        out: dict[str, Any] = {"ok": True, "version": jobs.__version__, "pid": os.getpid()}
+        if challenge:  # proves to a client that we hold its token, before it sends the token
+            out["proof"] = hmac.new(token.encode(), challenge[:256].encode(), hashlib.sha256).hexdigest()
+        return _json(out)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/jobs")
+    async def submit(request: Request) -> Response:
+        spec, data = await _read_spec(request)
 
         def create() -> dict[str, Any]:
             job_id = store.new_id()
             rd = RunDir.for_job(home, job_id).create(data)  # first, so events.jsonl sees job.created
-            return store.create_job(
-                data, kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
-                max_attempts=spec.retry.max_attempts, run_dir_for=lambda _: str(rd.path), job_id=job_id)
+            try:
+                return store.create_job(
+                    data, kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
+                    max_attempts=spec.retry.max_attempts, run_dir_for=lambda _: str(rd.path), job_id=job_id)
+            except StoreError:
+                shutil.rmtree(rd.path, ignore_errors=True)  # no half-made job
+                raise
 
-        job = await asyncio.to_thread(create)
+        try:
+            job = await asyncio.to_thread(create)
+        except OSError as exc:
+            raise StoreError(f"cannot create the job's run dir under {home / 'runs'}: {exc.strerror or exc}") from None
         sched.wake()
         metrics.submitted.labels(spec.kind).inc()
         return _json(job, 201)
 
+    @app.post("/v1/validate")
+    async def validate(request: Request) -> Response:
+        spec, data = await _read_spec(request)
+        return _json({"ok": True, "kind": spec.kind, "name": spec.name, "spec": data})
+
     @app.get("/v1/jobs")
-    def list_jobs(status: str | None = None, limit: int | None = None) -> Response:
+    def list_jobs(status: str | None = None, limit: int | None = None, view: str = "full") -> Response:
         statuses = [s for s in status.split(",") if s] if status else None
-        return Response(store.list_jobs_json(statuses, limit), media_type="application/json")
+        if limit is not None:
+            limit = max(0, min(limit, LIST_LIMIT_MAX))
+        text = store.list_jobs_json(statuses, limit, summary=view == "summary")
+        return Response(text, media_type="application/json")
 
     @app.get("/v1/jobs/{job_id}")
     def show(job_id: str) -> Response:
         job = store.get_job(job_id)
         job["attempts"] = store.attempts(job["id"])
         return _json(job)
+
+    @app.delete("/v1/jobs/{job_id}")
+    def delete(job_id: str) -> Response:
+        job = store.delete_job(job_id)
+        _remove_run_dir(home, job)
+        return _json({"deleted": [job["id"]]})
+
+    @app.post("/v1/prune")
+    async def prune(request: Request) -> Response:
+        body = _parse_body(await request.body() or b"{}")
+        older = body.get("older_than") if isinstance(body, dict) else None
+        if not isinstance(older, (int, float)) or isinstance(older, bool) or older < 0:
+            raise SpecError("older_than", "must be a number of seconds >= 0")
+        dry = bool(body.get("dry_run"))
+        gone = await asyncio.to_thread(store.prune, time.time() - float(older), dry_run=dry)
+        if not dry:
+            for job in gone:
+                _remove_run_dir(home, job)
+        return _json({"deleted": [j["id"] for j in gone], "dry_run": dry, "jobs": gone})
 
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: str) -> Response:
@@ -204,28 +318,43 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         return _json({"offset": offset, "next_offset": nxt, "records": records})
 
     @app.get("/v1/events")
-    async def events(request: Request, last_event_id: int | None = None) -> StreamingResponse:
+    async def events(request: Request, last_event_id: int | None = None, job_id: str | None = None) -> StreamingResponse:
         header = request.headers.get("last-event-id")
         start = int(header) if header and header.isdigit() else last_event_id
         if start is None:
             start = await asyncio.to_thread(store.last_event_id)  # only what happens from now on
-        return StreamingResponse(_stream(store, bus, request, start), media_type="text/event-stream",
+        return StreamingResponse(_stream(store, bus, request, start, job_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     app.add_middleware(TimingMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_spec_bytes + 64 * 1024)
     app.add_middleware(AuthMiddleware, token=token, hosts=allowed_hosts(host, extra_hosts))  # outermost
     return app
 
 
-async def _stream(store: JobStore, bus: EventBus, request: Request, last_id: int) -> AsyncIterator[str]:
+def _remove_run_dir(home: Path, job: dict[str, Any]) -> None:
+    """Remove a deleted job's run dir, and only if it is where the worker puts run dirs."""
+    runs = (home / "runs").resolve()
+    path = Path(job.get("run_dir") or runs / job["id"])
+    if path.parent.resolve() != runs or path.name != job["id"] or path.is_symlink():
+        log.warning("not removing %s: not a run dir of %s", path, home)
+        return
+    shutil.rmtree(path, ignore_errors=True)  # rmtree never follows symlinks planted inside
+
+
+async def _stream(store: JobStore, bus: EventBus, request: Request, last_id: int,
+                  job_id: str | None = None) -> AsyncIterator[str]:
     yield "retry: 1000\n\n"
     last_beat = time.monotonic()
     while not bus.stopping.is_set():
         waiter = bus.waiter()  # taken before reading, so no event slips between read and wait
-        batch = await asyncio.to_thread(store.events_since, last_id)
+        try:
+            batch = await asyncio.to_thread(store.events_since, last_id, 500, job_id)
+        except StoreError:
+            batch = []
         for ev in batch:
             last_id = ev["id"]
-            yield f"id: {ev['id']}\nevent: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n"
+            yield f"id: {ev['id']}\nevent: {ev['type']}\ndata: {strict_json.dumps(ev)}\n\n"
         if batch:
             continue
         if await request.is_disconnected():

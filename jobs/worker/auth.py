@@ -1,4 +1,6 @@
-"""Bearer-token and Host-header checks, as a pure ASGI middleware (no per-request overhead of BaseHTTPMiddleware)."""
+"""The worker's request guards, as pure ASGI middlewares (no per-request overhead of BaseHTTPMiddleware):
+the bearer token and Host header (`AuthMiddleware`), and a size limit on request bodies
+(`BodyLimitMiddleware`: a 100 MB spec is refused before it is read, not stored and served back)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["AuthMiddleware", "allowed_hosts"]
+__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "allowed_hosts"]
 
 OPEN_PATHS = frozenset({"/healthz"})
 
@@ -60,3 +62,53 @@ async def _reply(send: Any, status: int, body: dict[str, Any], headers: list[tup
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": data})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: at once from Content-Length, else while it streams in."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send, seen)
+
+    async def _refuse(self, send: Any, size: int) -> None:
+        limit_mib = self.max_bytes / (1 << 20)
+        await _reply(send, 413, {"error": f"request body of {size} bytes or more is over the worker's limit "
+                                          f"of {self.max_bytes} bytes ({limit_mib:.1f} MiB)", "too_large": True})

@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from jobs.errors import JobsError, StoreError
-from jobs.home import DEFAULT_PORT, WORKER_FILE, state_home
+from jobs.home import DEFAULT_PORT, WORKER_FILE, secure_home, state_home, write_private
 
 __all__ = ["run_worker", "main"]
 
@@ -40,9 +40,7 @@ class _Server(uvicorn.Server):
         host = self.host if self.host not in ("0.0.0.0", "::") else "127.0.0.1"
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         info = {"url": url, "pid": os.getpid(), "host": self.host, "port": port, "started_at": time.time()}
-        tmp = self.home / f".{WORKER_FILE}.tmp"
-        tmp.write_text(json.dumps(info), encoding="utf-8")
-        os.replace(tmp, self.home / WORKER_FILE)
+        write_private(self.home / WORKER_FILE, json.dumps(info))
         print(f"offload-jobs worker listening on {url} (state dir {self.home})", file=sys.stderr, flush=True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -89,15 +87,18 @@ def _lock(home: Path) -> Any:
 
 def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os.PathLike[str] | None = None,
                *, max_cpu_jobs: int = 4, gpus: int | None = None, allow_hosts: list[str] | None = None,
-               log_level: str = "warning") -> None:
+               log_level: str = "warning", max_spec_bytes: int | None = None) -> None:
+    from jobs.spec import MAX_SPEC_BYTES
     from jobs.worker.app import create_app
 
-    h = state_home(home)
-    h.mkdir(mode=0o700, parents=True, exist_ok=True)  # holds the token
+    # Everything the worker writes is private (specs carry env secrets); jobs get the caller's umask.
+    job_umask = os.umask(0o077)
+    h = secure_home(state_home(home))
     lock = _lock(h)
     try:
         extra = list(allow_hosts or []) + [x for x in os.environ.get("OFFLOAD_JOBS_ALLOWED_HOSTS", "").split(",") if x]
-        app = create_app(h, host=host, max_cpu_jobs=max_cpu_jobs, gpu_count=gpus, extra_hosts=extra)
+        app = create_app(h, host=host, max_cpu_jobs=max_cpu_jobs, gpu_count=gpus, extra_hosts=extra,
+                         job_umask=job_umask, max_spec_bytes=max_spec_bytes or MAX_SPEC_BYTES)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=5, access_log=False)
         # uvicorn re-raises the signal that stopped it once it has shut down; make that a clean return.
@@ -127,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="GPUs to schedule (default: detected)")
     p.add_argument("--allow-host", action="append", default=[], help="extra Host header name to accept")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--max-spec-bytes", type=int, default=None, help="largest spec accepted (default 1 MiB)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run_worker(a.host, a.port, a.home, max_cpu_jobs=a.max_cpu_jobs, gpus=a.gpus, allow_hosts=a.allow_host,
-                   log_level=a.log_level)
+                   log_level=a.log_level, max_spec_bytes=a.max_spec_bytes)
     except JobsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # One line, and the line `up --local` shows: the real cause, not a library's link.
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
         return 2
     return 0

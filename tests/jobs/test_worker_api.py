@@ -126,14 +126,15 @@ def test_max_duration_gives_timeout(client: JobsClient) -> None:
 def test_failure_reasons(client: JobsClient) -> None:
     nonzero = client.submit({"kind": "command", "command": "exit 3"})
     missing = client.submit({"kind": "command", "command": ["/nonexistent/binary"]})
-    oom = client.submit({"kind": "command", "command": "kill -9 $$"})
+    killed = client.submit({"kind": "command", "command": "kill -9 $$"})
     cuda = client.submit({"kind": "command", "command":
                           'echo \'{"reason": "cuda_oom", "message": "CUDA out of memory"}\' > "$OFFLOAD_JOBS_EXIT_REPORT"; exit 1'})
     got = {k: client.wait(j["id"], timeout=30) for k, j in
-           {"nonzero": nonzero, "missing": missing, "oom": oom, "cuda": cuda}.items()}
+           {"nonzero": nonzero, "missing": missing, "killed": killed, "cuda": cuda}.items()}
     assert (got["nonzero"]["reason"], got["nonzero"]["exit_code"]) == ("exit_nonzero", 3)
     assert got["missing"]["reason"] == "setup_failed" and "/nonexistent/binary" in got["missing"]["message"]
-    assert got["oom"]["reason"] == "host_oom"
+    # A SIGKILL that neither the worker nor the OOM killer sent is `killed` (the OOM case: test_tree.py).
+    assert got["killed"]["reason"] == "killed" and "SIGKILL" in got["killed"]["message"]
     assert got["cuda"]["reason"] == "cuda_oom" and got["cuda"]["message"] == "CUDA out of memory"
     assert all(j["status"] == "FAILED" for j in got.values())
 
@@ -153,18 +154,26 @@ def test_retry_policy_and_manual_retry(client: JobsClient) -> None:
         client.retry(job["id"])  # SUCCEEDED jobs are not retried
 
 
-def test_train_infer_stubs_and_a_bad_shard_fail_as_setup_failed(client: JobsClient, tmp_path) -> None:
-    train = client.submit({"kind": "train", "model": {"path": "/models/x"}, "retry": {"max_attempts": 1}})
-    infer = client.submit({"kind": "infer", "model": {"path": "/models/x"}, "retry": {"max_attempts": 1}})
+def test_train_infer_stubs_fail_as_setup_failed_and_missing_paths_fail_at_submit(client: JobsClient, tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    train = client.submit({"kind": "train", "model": {"path": str(model)}, "retry": {"max_attempts": 1}})
+    infer = client.submit({"kind": "infer", "model": {"path": str(model)}, "retry": {"max_attempts": 1}})
     t, i = client.wait(train["id"], timeout=60), client.wait(infer["id"], timeout=60)
     assert (t["status"], t["reason"]) == ("FAILED", "setup_failed") and "next jobs issue" in t["message"]
     assert (i["status"], i["reason"]) == ("FAILED", "setup_failed")
-    # A checkpoint that is not there is the user's to fix: setup_failed, naming it.
+    # A checkpoint, model or workdir that is not there is the user's to fix, at submit, naming it.
     missing = tmp_path / "no-such-checkpoint"
-    shard = client.submit({"kind": "shard", "shard": {"src": str(missing), "dst": str(tmp_path / "out")},
-                           "retry": {"max_attempts": 1}})
-    s = client.wait(shard["id"], timeout=60)
-    assert (s["status"], s["reason"]) == ("FAILED", "setup_failed") and "no-such-checkpoint" in s["message"]
+    cases = [({"kind": "shard", "shard": {"src": str(missing), "dst": str(tmp_path / "out")}}, "shard.src"),
+             ({"kind": "train", "model": {"path": str(missing)}}, "model.path"),
+             ({"kind": "train", "model": {"path": str(model)}, "train": {"dataset": str(missing)}}, "train.dataset"),
+             ({"kind": "command", "command": "true", "workdir": str(missing)}, "workdir")]
+    before = len(client.list())
+    for spec, field in cases:
+        with pytest.raises(SpecError) as e:
+            client.submit(spec)
+        assert e.value.field == field and "no-such-checkpoint" in str(e.value) and "does not exist" in str(e.value)
+    assert len(client.list()) == before  # nothing half-made
 
 
 def test_priority_then_fifo_order(client: JobsClient) -> None:
