@@ -1,14 +1,14 @@
-"""The YAML job spec: pydantic models, loading with field-naming errors, overrides, schema.
+"""The YAML job spec: pydantic models, validation with field-naming errors, schema.
 
 Every field is optional except what a kind needs:
 command needs `command`, shard needs `shard.src` and `shard.dst`, train and infer need `model.path`.
-Kept light on purpose (pydantic + pyyaml only): the CLI imports it for `validate` and `submit`.
+Every number has bounds a worker can hold and wait for. Reading files (UTF-8, duplicate keys,
+nesting, --set overrides) is `jobs.spec_yaml`; this module validates what it reads.
+Kept light on purpose (pydantic + pyyaml only): the CLI imports it for `validate`.
 """
 
 from __future__ import annotations
 
-import copy
-import datetime
 import difflib
 import math
 import re
@@ -16,10 +16,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from jobs.errors import SpecError
+from jobs.spec_yaml import (
+    ENV_NAME, IMAGE_REF, MAX_ARG_BYTES, MAX_ARGV_TOTAL, MAX_BYTES, MAX_DEPTH, MAX_DURATION_S, MAX_INT,
+    MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
+    with_origin, yaml_load,
+)
 from jobs.vocab import EXECUTORS, KINDS, REASONS
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "apply_overrides",
+    "check_tree",
     "json_schema",
     "template",
 ]
@@ -47,19 +52,6 @@ __all__ = [
 Kind = Literal[KINDS]  # type: ignore[valid-type]
 Reason = Literal[REASONS]  # type: ignore[valid-type]
 Executor = Literal[EXECUTORS]  # type: ignore[valid-type]
-
-# Bounds: what a worker can hold in SQLite, pass to exec(), and wait for.
-MAX_SPEC_BYTES = 1 << 20  # a spec file, and a spec sent to the worker
-MAX_DEPTH = 32  # nesting of mappings and lists
-MAX_NODES = 100_000  # values in one spec (aliases counted each time they are used)
-MAX_INT = 2**63 - 1  # SQLite's INTEGER
-MAX_BYTES = 1 << 60  # 1 EiB: any size past this is a typo
-MAX_DURATION_S = 366 * 86400.0
-MAX_STOP_GRACE_S = 3600.0
-MAX_ARG_BYTES = 128 * 1024 - 1  # Linux MAX_ARG_STRLEN, less the NUL
-MAX_ARGV_TOTAL = 1 << 20  # argv + env of the child, well under ARG_MAX
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -313,23 +305,6 @@ class JobSpec(_Strict):
 # ---------------------------------------------------------------- loading and errors
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans: `on:` (as in `retry.on`) stays a string key, not True."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:bool"]
-    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-def _yaml_scalar(raw: str) -> Any:
-    data, _ = _yaml_load(raw)
-    return data
-
 _TYPE_TAG = re.compile(r"^(int|str|float|bool|list|dict|none|literal|function-|list\[|dict\[|union\[|tagged-union)")
 
 
@@ -394,159 +369,22 @@ def _first_error(exc: ValidationError, data: Any) -> tuple[str | None, str]:
     return field, msg
 
 
-def _line_of(node: Any, field: str | None) -> int | None:
-    """1-based line of `field` (dotted) in a composed YAML node tree, or of the deepest parent found."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    if not field:
-        return line
-    for seg in re.findall(r"[^.\[\]]+", field):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.value == seg:
-                    line, node = k.start_mark.line + 1, v
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and seg.isdigit() and int(seg) < len(node.value):
-            node = node.value[int(seg)]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
-_PLAIN = (str, int, float, bool, type(None))
-
-
-def _check_tree(data: Any) -> None:
-    """Refuse, naming the field, what no field can hold: NaN/inf, huge ints, NUL bytes, binary,
-    dates, non-string keys, nesting past MAX_DEPTH, more than MAX_NODES values (alias bombs)."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    seen = 0
-    while stack:
-        value, path, depth = stack.pop()
-        seen += 1
-        if seen > MAX_NODES:
-            raise SpecError(path or None, f"the spec holds more than {MAX_NODES} values (a YAML alias bomb?)")
-        where = path or None
-        if isinstance(value, dict):
-            if depth >= MAX_DEPTH:
-                raise SpecError(where, f"nested more than {MAX_DEPTH} levels deep")
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise SpecError(where, f"keys must be strings, got {k!r:.40}")
-                if "\0" in k:
-                    raise SpecError(where, f"key {k!r:.40} holds a NUL byte")
-                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
-        elif isinstance(value, list):
-            if depth >= MAX_DEPTH:
-                raise SpecError(where, f"nested more than {MAX_DEPTH} levels deep")
-            for i, v in enumerate(value):
-                stack.append((v, f"{path}[{i}]", depth + 1))
-        elif isinstance(value, bool) or value is None:
-            continue
-        elif isinstance(value, int):
-            if abs(value) > MAX_INT:
-                raise SpecError(where, f"integer {str(value)[:20]}... is out of range (at most {MAX_INT})")
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise SpecError(where, f"{value} is not allowed (numbers must be finite; quote it for a string)")
-        elif isinstance(value, str):
-            if "\0" in value:
-                raise SpecError(where, "holds a NUL byte")
-            if len(value) > MAX_SPEC_BYTES:
-                raise SpecError(where, f"is longer than {MAX_SPEC_BYTES} characters")
-        elif isinstance(value, bytes):
-            raise SpecError(where, "binary values (!!binary) are not allowed")
-        elif isinstance(value, (datetime.date, datetime.datetime)):
-            raise SpecError(where, f"{value} reads as a date; quote it if you mean a string")
-        else:
-            raise SpecError(where, f"a YAML {type(value).__name__} is not allowed here")
-
-
 def _validate(data: Any, node: Any = None, file: str | None = None) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError(None, f"a job spec must be a mapping with a `kind`, got {type(data).__name__}", file=file)
     try:
-        _check_tree(data)
+        check_tree(data)
     except SpecError as exc:
-        exc.file, exc.line = file, _line_of(node, exc.field) if node is not None else None
+        exc.file, exc.line = file, line_of(node, exc.field) if node is not None else None
+        exc.args = (str(exc),)
         raise exc from None
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         field, msg = _first_error(exc, data)
-        raise SpecError(field, msg, line=_line_of(node, field) if node is not None else None, file=file) from None
+        raise SpecError(field, msg, line=line_of(node, field) if node is not None else None, file=file) from None
     except RecursionError:
         raise SpecError(None, f"nested more than {MAX_DEPTH} levels deep", file=file) from None
-
-
-def _check_nodes(root: Any, file: str | None) -> None:
-    """On the composed YAML: duplicate keys are an error (YAML says so; PyYAML keeps the last),
-    nesting is bounded, and so is the count of nodes aliases expand to."""
-    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
-    seen = 0
-    while stack:
-        node, path, depth = stack.pop()
-        seen += 1
-        if seen > MAX_NODES:
-            raise SpecError(path or None, f"the spec holds more than {MAX_NODES} values (a YAML alias bomb?)",
-                            line=node.start_mark.line + 1, file=file)
-        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and depth >= MAX_DEPTH:
-            raise SpecError(path or None, f"nested more than {MAX_DEPTH} levels deep",
-                            line=node.start_mark.line + 1, file=file)
-        if isinstance(node, yaml.MappingNode):
-            keys: dict[str, int] = {}
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                    name = k.value
-                    here = f"{path}.{name}" if path else name
-                    if name in keys:
-                        raise SpecError(here, f"duplicate key (first set on line {keys[name]})",
-                                        line=k.start_mark.line + 1, file=file)
-                    keys[name] = k.start_mark.line + 1
-                else:
-                    here = path
-                stack.append((v, here, depth + 1))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                stack.append((v, f"{path}[{i}]", depth + 1))
-
-
-def _yaml_load(text: str, file: str | None = None) -> tuple[Any, Any]:
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _check_nodes(node, file)
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(None, f"malformed YAML: {problem}", line=line, file=file) from None
-    except RecursionError:
-        raise SpecError(None, f"malformed YAML: nested more than {MAX_DEPTH} levels deep", file=file) from None
-    finally:
-        loader.dispose()
-    return data, node
-
-
-def decode_spec_bytes(raw: bytes, file: str | None = None) -> str:
-    """Spec file bytes -> text: UTF-8 (a BOM is allowed), no NUL bytes, at most MAX_SPEC_BYTES."""
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError(None, f"the spec is {len(raw)} bytes; the limit is {MAX_SPEC_BYTES} (1 MiB)", file=file)
-    nul = raw.find(b"\0")
-    if nul >= 0:
-        raise SpecError(None, f"a binary file, not a YAML spec (NUL byte at offset {nul})", file=file)
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise SpecError(None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
-                        line=line, file=file) from None
 
 
 def parse_spec(source: str | bytes | dict[str, Any], *, file: str | None = None) -> JobSpec:
@@ -557,7 +395,7 @@ def parse_spec(source: str | bytes | dict[str, Any], *, file: str | None = None)
         source = decode_spec_bytes(source, file)
     elif len(source) > MAX_SPEC_BYTES:
         raise SpecError(None, f"the spec is longer than {MAX_SPEC_BYTES} characters (1 MiB)", file=file)
-    data, node = _yaml_load(source, file)
+    data, node = yaml_load(source, file)
     return _validate(data, node, file)
 
 
@@ -566,66 +404,11 @@ def load_spec(path: str | Path, sets: list[str] | None = None) -> JobSpec:
 
     Errors name the file (and line), the field, and the `--set` a bad value came from.
     """
-    p = Path(path)
+    data, node = read_spec_data(path, sets)
     try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)
-    except OSError as exc:
-        raise SpecError(None, f"cannot read spec file: {exc.strerror or exc}", file=str(p)) from None
-    text = decode_spec_bytes(raw, str(p))
-    data, node = _yaml_load(text, str(p))
-    if not sets:
-        return _validate(data, node, str(p))
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError(None, "a job spec must be a mapping with a `kind`", file=str(p))
-    data = apply_overrides(data, sets)
-    try:
-        return _validate(data, node, str(p))
+        return _validate(data, node, str(path))
     except SpecError as exc:
-        origin = _set_origin(exc.field, sets)
-        if origin is not None:
-            exc.message += f" (from --set {origin})"
-            exc.line = None  # the value is not on a line of the file
-            exc.args = (str(exc),)
-        raise
-
-
-def _set_origin(field: str | None, sets: list[str]) -> str | None:
-    """The last --set whose key is `field` or one of its parents (or children)."""
-    if not field:
-        return None
-    for item in reversed(sets):
-        key = item.partition("=")[0].strip()
-        if field == key or field.startswith(key + ".") or field.startswith(key + "[") or key.startswith(field + "."):
-            return item if len(item) <= 80 else item[:77] + "..."
-    return None
-
-
-def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
-    """Return a copy of `data` with dotted `key.sub=value` overrides applied (values parsed as YAML)."""
-    out = copy.deepcopy(data)
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise SpecError(key or None, f"override must look like key.sub=value, got {item!r}")
-        try:
-            value = _yaml_scalar(raw) if raw.strip() else ""
-        except SpecError:  # not YAML: the text itself (pydantic says whether it fits)
-            value = raw
-        cur: Any = out
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            nxt = cur.get(part)
-            if nxt is None:
-                nxt = cur[part] = {}
-            elif not isinstance(nxt, dict):
-                raise SpecError(".".join(parts[: i + 1]), f"is not a mapping, cannot set {key}")
-            cur = nxt
-        cur[parts[-1]] = value
-    return out
+        raise with_origin(exc, str(path), node, sets) from None
 
 
 def json_schema() -> dict[str, Any]:
