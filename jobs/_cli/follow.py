@@ -1,24 +1,29 @@
 """Following a job: print its log as it grows and report status changes until it ends.
 
-Shared by `submit` (attached) and `logs -f`. It polls the offset-based logs endpoint and the job,
-reading the job's status *before* draining the log, so that once a terminal status is seen the
-log read after it is complete.
+Shared by `submit` (attached) and `logs -f`. The log is read by byte offset and status changes
+arrive as server-sent events of that job; both resume where they left off (the offset, the last
+event id) when the worker restarts or the connection drops, so a follower rides through a
+worker restart instead of exiting. The job's status is read *before* the log is drained, so
+once a terminal status is seen the log read after it is complete.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from jobs._cli.output import TERMINAL
+from jobs.vocab import TERMINAL
 
 if TYPE_CHECKING:
     from jobs.client import JobsClient
 
-__all__ = ["read_log", "follow_job", "tail_lines", "ProgressLine"]
+__all__ = ["read_log", "follow_job", "tail_lines", "ProgressLine", "EventFeed"]
 
 POLL_S = 0.2
+REFRESH_S = 1.0  # the job itself (metrics for the live line) is re-read at least this often
 
 
 def read_log(client: JobsClient, job_id: str, offset: int = 0) -> tuple[str, int]:
@@ -45,6 +50,54 @@ def tail_lines(text: str, n: int) -> str:
     return "".join(lines[-n:])
 
 
+class EventFeed:
+    """A thread reading one job's server-sent events into a queue, reconnecting with the last id."""
+
+    def __init__(self, make_client: Callable[[], JobsClient], job_id: str) -> None:
+        self.make_client = make_client
+        self.job_id = job_id
+        self.last_id = 0  # the job's whole history is a handful of events: replaying it is cheap
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="offload-jobs-events", daemon=True)
+
+    def __enter__(self) -> EventFeed:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def drain(self) -> list[dict[str, Any]]:
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        from jobs.errors import JobsError
+
+        backoff = POLL_S
+        while not self._stop.is_set():
+            try:
+                client = self.make_client()
+                for ev in client.events(last_event_id=self.last_id, job_id=self.job_id, read_timeout=60.0):
+                    if isinstance(ev.get("id"), int):
+                        self.last_id = ev["id"]
+                    self.events.put(ev)
+                    backoff = POLL_S
+                    if self._stop.is_set():
+                        return
+            except JobsError:
+                pass  # the worker is away; ask again
+            except Exception:  # a broken stream of any kind: the log polling still goes on
+                pass
+            self._stop.wait(backoff)
+            backoff = min(2.0, backoff * 2)
+
+
 def follow_job(
     client: JobsClient,
     job_id: str,
@@ -53,22 +106,50 @@ def follow_job(
     out: TextIO | None = None,
     on_status: Callable[[dict[str, Any]], None] | None = None,
     poll: float = POLL_S,
+    reconnect: Callable[[], JobsClient] | None = None,
 ) -> dict[str, Any]:
-    """Write the job's log from `offset` to `out` until the job ends; return the final job."""
-    status: str | None = None
-    while True:
-        job = client.get(job_id)
-        if on_status is not None:
-            on_status(job)
-        status = job.get("status")
-        text, offset = read_log(client, job_id, offset)
-        if text:
-            stream = out if out is not None else sys.stdout
-            stream.write(text)
-            stream.flush()
-        if status in TERMINAL:
-            return job
-        time.sleep(poll)
+    """Write the job's log from `offset` to `out` until the job ends; return the final job.
+
+    `reconnect` makes a new client (the worker may come back on another port); without it the
+    same client is retried. Either way an unreachable worker is waited for, not given up on.
+    """
+    from jobs.errors import StoreError, WorkerUnreachable
+
+    make = reconnect or (lambda: client)
+    stream = out if out is not None else sys.stdout
+    lost_since: float | None = None
+    job: dict[str, Any] | None = None
+    last_get = 0.0
+    with EventFeed(make, job_id) as feed:
+        while True:
+            try:
+                changed = any(ev.get("type") == "job.status" for ev in feed.drain())
+                if job is None or changed or time.monotonic() - last_get > REFRESH_S:
+                    job = client.get(job_id)
+                    last_get = time.monotonic()
+                    if on_status is not None:
+                        on_status(job)
+                text, offset = read_log(client, job_id, offset)
+                if lost_since is not None:
+                    print(f"offload-jobs: reconnected to the worker at {client.url}", file=sys.stderr, flush=True)
+                    lost_since = None
+                if text:
+                    stream.write(text)
+                    stream.flush()
+                if job.get("status") in TERMINAL:
+                    return job
+            except (WorkerUnreachable, StoreError) as exc:
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    print(f"offload-jobs: lost the worker ({exc}); reconnecting, the job keeps running "
+                          "(Ctrl-C to stop following)", file=sys.stderr, flush=True)
+                try:
+                    client = make()
+                except WorkerUnreachable:
+                    pass  # no worker.json yet: it is still starting
+                time.sleep(min(2.0, poll * 5))
+                continue
+            time.sleep(poll)
 
 
 class ProgressLine:

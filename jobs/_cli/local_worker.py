@@ -37,12 +37,13 @@ def worker_healthy(url: str, timeout: float = 1.0) -> bool:
 
 def start_local_worker(home: Path, host: str, port: int, wait_s: float = 30.0) -> str:
     """Start a detached worker on host:port over `home`; return its URL once /healthz answers."""
-    from jobs.home import read_worker_info
+    from jobs.home import read_worker_info, secure_home
 
-    home.mkdir(parents=True, exist_ok=True)
+    secure_home(home)
     log_path = home / LOG_FILE
     cmd = [sys.executable, "-m", "jobs.worker", "--host", host, "--port", str(port), "--home", str(home)]
-    with open(log_path, "ab") as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "ab") as log:
         log.write(f"\n--- offload-jobs up --local: {' '.join(cmd)}\n".encode())
         log.flush()
         start = log.tell()
@@ -53,7 +54,7 @@ def start_local_worker(home: Path, host: str, port: int, wait_s: float = 30.0) -
         code = proc.poll()
         if code is not None:
             raise CliError(f"the worker exited with code {code} while starting: "
-                           f"{_last_line(log_path, start) or 'no output'} (full log: {log_path})")
+                           f"{_error_line(log_path, start) or 'no output'} (full log: {log_path})")
         # The worker publishes worker.json once its socket is bound (the real port, too, for --port 0).
         info = read_worker_info(home) or {}
         if info.get("pid") == proc.pid and info.get("url") and worker_healthy(str(info["url"]), timeout=0.5):
@@ -109,11 +110,19 @@ def _is_worker(pid: int) -> bool:
     return any(mark in cmdline for mark in ("jobs.worker", "jobs/worker", "offload-jobs"))
 
 
-def _last_line(path: Path, start: int) -> str:
+def _error_line(path: Path, start: int) -> str:
+    """The line that says why the worker stopped: its own `error:` line, else the last line that
+    is not a library's footnote (SQLAlchemy's "Background on this error at: ..." link)."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    return lines[-1] if lines else ""
+    for ln in reversed(lines):
+        if ln.startswith("error:"):
+            return ln[len("error:"):].strip()
+    for ln in reversed(lines):
+        if not ln.startswith("(Background on this error") and not ln.startswith("Traceback") and ln != "^":
+            return ln
+    return ""

@@ -14,10 +14,13 @@ def logs(
     tail: Annotated[Optional[int], typer.Option("--tail", "-n", min=0, help="Start with only the last N lines.",
                                                 show_default=False)] = None,
 ) -> None:
-    """Print a job's log. With -f, follow it until the job ends (Ctrl-C stops following only)."""
+    """Print a job's log. With -f, follow it until the job ends (Ctrl-C stops following only).
+
+    A follower rides through a worker restart: it reconnects and resumes where it was.
+    """
     from jobs._cli.connect import connect, resolve_job
     from jobs._cli.follow import follow_job, read_log, tail_lines
-    from jobs._cli.output import TERMINAL
+    from jobs.vocab import TERMINAL
 
     client = connect()
     data = resolve_job(client, job)
@@ -33,7 +36,7 @@ def logs(
     final = data  # read before the log, so a job that had ended then has nothing more to print
     if data.get("status") not in TERMINAL:
         try:
-            final = follow_job(client, job_id, offset=offset)
+            final = follow_job(client, job_id, offset=offset, reconnect=connect)
         except KeyboardInterrupt:
             print(f"\noffload-jobs: stopped following job {job_id}; it keeps running.", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None

@@ -1,37 +1,47 @@
-"""`offload-jobs ps`: list jobs (active ones by default)."""
+"""`offload-jobs ps`: list jobs, the newest 50 active ones by default."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
 
-from jobs._cli.output import ACTIVE, TERMINAL, CliError, console, job_summary, jobs_table, print_json
+from jobs._cli.output import CliError, job_summary, jobs_text_table, print_json
+from jobs.vocab import ACTIVE, STATES
 
-STATUSES = sorted(ACTIVE | TERMINAL)
+STATUSES = list(STATES)
+PAGE = 50
 
 
 def ps(
-    all_jobs: Annotated[bool, typer.Option("--all", "-a", help="Include finished jobs.")] = False,
+    all_jobs: Annotated[bool, typer.Option("--all", "-a", help="Every job, finished ones included, with no page limit.")] = False,
     status: Annotated[Optional[str], typer.Option(
         "--status", "-s", help=f"Only jobs in this status ({', '.join(STATUSES)}).", show_default=False)] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="At most this many jobs.",
-                                                 show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, show_default=False,
+                                                 help=f"At most this many jobs (default {PAGE}; none with --all).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
-    """List jobs: pending and running ones, or every job with --all."""
+    """List jobs, newest first: the active ones (pending, starting, running, cancelling), or every job with --all.
+
+    The table shows the newest 50; --limit N shows more, --all shows every job.
+    """
     from jobs._cli.connect import connect
 
     wanted = status.strip().upper() if status else None
     if wanted is not None and wanted not in STATUSES:
         raise CliError(f"--status: unknown status {status!r}; choose one of {', '.join(STATUSES)}")
-    jobs = connect().list(status=wanted)
-    if wanted is None and not all_jobs:
-        jobs = [j for j in jobs if j.get("status") in ACTIVE]
-    elif wanted is not None:
-        jobs = [j for j in jobs if j.get("status") == wanted]
-    if limit is not None:
-        jobs = jobs[:limit]
+    if wanted is not None:
+        statuses = [wanted]
+    elif all_jobs:
+        statuses = None
+    else:
+        statuses = [s for s in STATUSES if s in ACTIVE]
+    page = limit if limit is not None else (None if all_jobs else PAGE)
+    jobs, total = connect().page(",".join(statuses) if statuses else None, page, summary=True)
+    if statuses is not None:
+        jobs = [j for j in jobs if j.get("status") in statuses]
     if json_out:
         print_json([job_summary(j) for j in jobs])
         return
@@ -39,4 +49,9 @@ def ps(
         hint = "" if all_jobs or wanted else " (finished jobs: offload-jobs ps --all)"
         typer.echo(f"no jobs{hint}")
         return
-    console().print(jobs_table(jobs))
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    typer.echo(jobs_text_table(jobs, color=color))
+    if total > len(jobs):
+        what = "jobs" if all_jobs else (f"{wanted} jobs" if wanted else "active jobs")
+        typer.echo(f"... the newest {len(jobs)} of {total} {what}; see more with --limit N"
+                   + ("" if all_jobs else " or every job with --all"), err=True)

@@ -1,4 +1,4 @@
-"""`offload-jobs submit FILE`: validate, submit, then stream the job's log until it ends."""
+"""`offload-jobs submit FILE`: submit (the worker validates), then stream the job's log until it ends."""
 
 from __future__ import annotations
 
@@ -26,12 +26,7 @@ def submit(
     Exits 0 when the job SUCCEEDED and 1 otherwise. Ctrl-C detaches (the job keeps running);
     re-attach with `offload-jobs logs -f JOB`.
     """
-    from jobs._cli.connect import connect
-    from jobs._cli.specfile import read_spec
-
-    spec = read_spec(file, sets)
-    client = connect()
-    job = client.submit(spec.model_dump(mode="json", exclude_unset=True))
+    client, job = submit_file(file, sets)
     job_id = str(job["id"])
 
     if detach:
@@ -41,7 +36,7 @@ def submit(
             typer.echo(job_id)
         return
 
-    print(f"offload-jobs: submitted job {job_id} ({job.get('name') or spec.kind})", file=sys.stderr, flush=True)
+    print(f"offload-jobs: submitted job {job_id} ({job.get('name') or job.get('kind')})", file=sys.stderr, flush=True)
     final = attach(client, job_id, job.get("name"), logs_to_stderr=json_out)
     if json_out:
         from jobs._cli.output import job_summary
@@ -50,15 +45,40 @@ def submit(
     raise typer.Exit(0 if final.get("status") == "SUCCEEDED" else 1)
 
 
+def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[str, Any]]:
+    """Submit the spec in `file`; the worker validates it and errors point back into the file.
+
+    With no worker to ask, the spec is validated here, so a bad spec still gets its field named.
+    """
+    from jobs._cli.connect import connect
+    from jobs._cli.specfile import read_spec, read_spec_data
+    from jobs.errors import SpecError, WorkerUnreachable
+    from jobs.spec_yaml import with_origin
+
+    data, node = read_spec_data(file, sets)
+    if not isinstance(data, dict):
+        read_spec(file, sets)  # names what is wrong with it
+    try:
+        client = connect()
+        job = client.submit(data)
+    except SpecError as exc:
+        raise with_origin(exc, str(file), node, sets) from None
+    except WorkerUnreachable:
+        read_spec(file, sets)  # a bad spec is the first thing to fix
+        raise
+    return client, job
+
+
 def attach(client: JobsClient, job_id: str, name: str | None, logs_to_stderr: bool = False) -> dict[str, Any]:
     """Stream until the job ends; Ctrl-C detaches and says how to come back."""
+    from jobs._cli.connect import connect
     from jobs._cli.follow import ProgressLine, follow_job
 
     try:
         # With --json the log goes to stderr, where a live line would garble it.
         with ProgressLine(job_id, name, live=False if logs_to_stderr else None) as progress:
             final = follow_job(client, job_id, on_status=progress.update,
-                               out=sys.stderr if logs_to_stderr else None)
+                               out=sys.stderr if logs_to_stderr else None, reconnect=connect)
     except KeyboardInterrupt:
         print(f"\noffload-jobs: detached from job {job_id}; it keeps running. "
               f"Re-attach with: offload-jobs logs -f {job_id}", file=sys.stderr, flush=True)

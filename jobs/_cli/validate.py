@@ -14,6 +14,8 @@ from jobs._cli.specfile import SETS_HELP
 def validate(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)],
     sets: Annotated[Optional[list[str]], typer.Option("--set", help=SETS_HELP, metavar="KEY=VALUE")] = None,
+    strict: Annotated[bool, typer.Option(
+        "--strict", help="Also ask the worker: do the paths (model, dataset, workdir) and the image exist there?")] = False,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print {ok, kind, name} or {ok, field, line, error}.")] = False,
 ) -> None:
@@ -23,6 +25,16 @@ def validate(
 
     try:
         spec = read_spec(file, sets)
+        if strict:
+            from jobs._cli.connect import connect
+            from jobs.spec_yaml import with_origin
+
+            try:
+                connect().validate(spec.model_dump(mode="json", exclude_unset=True))
+            except SpecError as exc:
+                from jobs._cli.specfile import read_spec_data
+
+                raise with_origin(exc, str(file), read_spec_data(file, sets)[1], sets) from None
     except JobsError as exc:
         if not json_out:
             raise

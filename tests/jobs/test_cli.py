@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from jobs.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-VERBS = ("submit", "ps", "show", "logs", "cancel", "retry", "validate", "init", "schema",
+VERBS = ("submit", "ps", "show", "logs", "cancel", "retry", "delete", "prune", "validate", "init", "schema",
          "shard", "tui", "worker", "up", "down")
 
 GOOD_SPEC = """\
@@ -296,7 +296,11 @@ def fake_worker(token: str = "t0k") -> httpx.MockTransport:
         parts = request.url.path.strip("/").split("/")
         if parts == ["v1", "jobs"]:
             status = request.url.params.get("status")
-            return httpx.Response(200, json={"jobs": [j for j in FAKE_JOBS if not status or j["status"] == status]})
+            wanted = set(status.split(",")) if status else None
+            jobs = [j for j in FAKE_JOBS if wanted is None or j["status"] in wanted]
+            limit = request.url.params.get("limit")
+            page = jobs[: int(limit)] if limit else jobs
+            return httpx.Response(200, json={"jobs": page, "total": len(jobs)})
         if parts[:2] == ["v1", "jobs"] and len(parts) == 3:
             job = by_id.get(parts[2])
             if job is None:
