@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -27,7 +28,9 @@ from fastapi.responses import Response, StreamingResponse
 
 import jobs
 from jobs import strict_json
-from jobs.errors import InvalidTransition, JobNotFound, RequestTooLarge, RunDirError, SpecError, StoreError
+from jobs.errors import (
+    InvalidTransition, JobNotFound, JobsError, RequestTooLarge, RunDirError, SpecError, StoreError,
+)
 from jobs.home import ensure_token, secure_home
 from jobs.preflight import preflight
 from jobs.rundir import RunDir, utf8_safe_end
@@ -152,7 +155,11 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bus.bind(asyncio.get_running_loop())
-        sched.recover()
+        try:
+            sched.recover()
+        except JobsError as exc:  # one line the user (and `up --local`) can read, not uvicorn's traceback
+            print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
+            raise
         sched.start()
         try:
             yield

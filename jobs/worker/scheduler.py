@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from jobs.spec import JobSpec, parse_spec
 from jobs.store import JobStore
 from jobs.worker.faults import FaultPoints
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "worker_env"]
 
 log = logging.getLogger("offload_jobs.scheduler")
 
@@ -69,6 +70,23 @@ class _Running:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def worker_env(environ: Any) -> dict[str, str]:
+    """The environment jobs start from: the worker's own, with its interpreter first on PATH.
+
+    A worker started as `.venv/bin/offload-jobs up --local` from a shell whose `python` is some
+    other interpreter still runs `python train.py` with the venv's python (and its torch): the
+    interpreter's bin dir leads PATH and VIRTUAL_ENV names the venv. The token never reaches a job.
+    """
+    env = {k: v for k, v in environ.items() if not k.startswith("OFFLOAD_JOBS_TOKEN")}
+    bindir = os.path.dirname(os.path.abspath(sys.executable))
+    rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != bindir]
+    env["PATH"] = os.pathsep.join([bindir, *rest])
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env.pop("PYTHONHOME", None)
+    return env
+
+
 class Scheduler:
     def __init__(self, store: JobStore, home: Path, *, gpu_count: int = 0, max_cpu_jobs: int = 4,
                  tick: float = 0.1, on_finish: Callable[[dict[str, Any]], None] | None = None,
@@ -89,7 +107,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._executors: dict[str, Executor] = {}
-        self._base_env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_TOKEN")}
+        self._base_env = worker_env(os.environ)
         self._faults = FaultPoints(self.home)
         self._claim_blocked_until = 0.0
         self._last_store_warning = 0.0
