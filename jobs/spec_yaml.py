@@ -159,7 +159,51 @@ def _check_nodes(root: Any, file: str | None) -> None:
                 stack.append((v, f"{path}[{i}]", depth + 1))
 
 
+_FLOW_LIMIT = 4 * MAX_DEPTH  # past this, PyYAML's scanner slows quadratically: refuse before parsing
+_FLOW_CHARS = re.compile(r"[\[\]{}\"'#\n\\]")
+
+
+def _flow_too_deep(text: str) -> int | None:
+    """The line where `[`/`{` nesting first passes _FLOW_LIMIT (outside quotes and comments), or None."""
+    depth, line, quote, comment = 0, 1, "", False
+    escape_at = -1  # in a "string", the position a backslash escapes
+    for m in _FLOW_CHARS.finditer(text):
+        ch, at = m.group(), m.start()
+        if ch == "\n":
+            line += 1
+            comment = False
+            continue
+        if comment:
+            continue
+        if quote == '"':
+            if at == escape_at:
+                escape_at = -1
+            elif ch == "\\":
+                escape_at = at + 1
+            elif ch == '"':
+                quote = ""
+            continue
+        if quote == "'":
+            if ch == "'":
+                quote = ""  # '' (an escaped quote) closes and reopens: the same to us
+            continue
+        if ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = at == 0 or text[at - 1] in " \t"
+        elif ch in "[{":
+            depth += 1
+            if depth > _FLOW_LIMIT:
+                return line
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return None
+
+
 def yaml_load(text: str, file: str | None = None) -> tuple[Any, Any]:
+    deep = _flow_too_deep(text)
+    if deep is not None:
+        raise SpecError(None, f"malformed YAML: nested more than {MAX_DEPTH} levels deep", line=deep, file=file)
     loader = _Loader(text)
     try:
         node = loader.get_single_node()

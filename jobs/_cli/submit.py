@@ -53,12 +53,13 @@ def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[st
     from jobs._cli.connect import connect
     from jobs._cli.specfile import read_spec, read_spec_data
     from jobs.errors import SpecError, WorkerUnreachable
-    from jobs.spec_yaml import with_origin
+    from jobs.spec_yaml import check_tree, with_origin
 
     data, node = read_spec_data(file, sets)
     if not isinstance(data, dict):
         read_spec(file, sets)  # names what is wrong with it
     try:
+        check_tree(data)  # what JSON cannot carry (NaN, huge ints) or no field can hold
         client = connect()
         job = client.submit(data)
     except SpecError as exc:

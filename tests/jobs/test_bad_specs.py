@@ -1,9 +1,16 @@
-"""200 hypothesis-generated bad specs: `offload-jobs validate` exits 2 with ONE stderr line that
-names the offending field, and never a traceback.
+"""Hypothesis-generated bad specs, 400 and more: `offload-jobs validate` (and `submit`, against a real
+worker) exits 2 with ONE stderr line that names the offending field, file or --set, and never a
+traceback.
 
-Each case starts from a valid spec and breaks exactly one thing, so the field the message must
-name is known. The 200 run in-process through typer's CliRunner (fast); a handful more go
-through the real console script.
+- 200 structured cases: a valid spec with exactly one field broken, so the field to name is known.
+- 160 raw files as a careless user or a fuzzer writes them: non-UTF-8 and binary bytes, nesting
+  deep enough to blow a recursive parser, integers past int64, NaN and infinities, duplicate keys,
+  bad and reserved env names, NUL bytes, infinite sizes and durations, oversized commands, alias
+  bombs, and the same mistakes made through --set.
+- 40 of those through `submit` to a real worker, whose own validation must point back into the
+  file just the same.
+They run in-process through typer's CliRunner (fast); a handful more go through the real console
+script.
 """
 
 from __future__ import annotations
@@ -182,3 +189,200 @@ def test_bad_specs_through_the_console_script(tmp_path: Path, text: str, sets: l
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], res.stderr
     assert str(path) in lines[0]
+
+
+# ------------------------------------------------------------------ raw files
+
+GOOD = "kind: command\nname: ok\ncommand: echo hi\n"
+NUMERIC_INT = ["priority", "train.steps", "retry.max_attempts", "resources.gpus", "offload.prefetch", "infer.seed"]
+NUMERIC_FLOAT = ["train.lr", "offload.offload_ratio", "infer.guidance"]
+SIZES = ["offload.vram_budget", "offload.max_memory", "resources.shm_size"]
+DURATIONS = ["limits.max_duration", "limits.stop_grace"]
+
+
+def nested_yaml(dotted: str, value: str) -> str:
+    """`a.b: v` as block YAML under the good spec's keys."""
+    *parents, leaf = dotted.split(".")
+    out, indent = "", ""
+    for p in parents:
+        out += f"{indent}{p}:\n"
+        indent += "  "
+    return out + f"{indent}{leaf}: {value}\n"
+
+
+@st.composite
+def raw_bad_files(draw: st.DrawFn) -> tuple[bytes, list[str], list[str]]:
+    """(file bytes, --set args, words the error line must hold; "{file}" is the file's path)."""
+    how = draw(st.sampled_from([
+        "non_utf8", "binary", "deep_flow", "deep_block", "huge_int", "nan_inf", "duplicate_top", "duplicate_nested",
+        "env_name", "env_reserved", "nul_escape", "inf_size", "inf_duration", "big_command", "alias_bomb",
+        "set_huge_int", "set_env_name", "set_nan", "date_value", "binary_tag",
+    ]))
+    if how == "non_utf8":
+        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xa0\xa1", b"\xe2\x28\xa1", b"\xf0\x28\x8c\xbc", b"\x80"]))
+        at = draw(st.integers(0, len(GOOD)))
+        return GOOD.encode()[:at] + bad + GOOD.encode()[at:], [], ["{file}", "not UTF-8"]
+    if how == "binary":
+        junk = draw(st.binary(min_size=1, max_size=200))
+        at = draw(st.integers(0, len(junk)))
+        return junk[:at] + b"\0" + junk[at:], [], ["{file}", "binary"]
+    if how == "deep_flow":
+        depth = draw(st.sampled_from([33, 40, 100, 999, 1500, 5000]))
+        where = draw(st.sampled_from(["outputs", "command", "env"]))
+        return (GOOD.replace("command: echo hi\n", "") + ("command: echo hi\n" if where != "command" else "")
+                + f"{where}: " + "[" * depth + "]" * depth + "\n").encode(), [], ["{file}", "nested"]
+    if how == "deep_block":
+        depth = draw(st.integers(33, 60))
+        body = "".join("  " * i + f"k{i}:\n" for i in range(depth)) + "  " * depth + "v: 1\n"
+        return (GOOD + "env:\n" + "".join("  " + ln + "\n" for ln in body.splitlines())).encode(), [], ["{file}", "nested"]
+    if how == "huge_int":
+        field = draw(st.sampled_from(NUMERIC_INT))
+        value = draw(st.integers(2**63, 10**60)) * draw(st.sampled_from([1, -1]))
+        return (GOOD + nested_yaml(field, str(value))).encode(), [], [field]
+    if how == "nan_inf":
+        field = draw(st.sampled_from(NUMERIC_FLOAT + NUMERIC_INT + SIZES + DURATIONS + ["env.X"]))
+        value = draw(st.sampled_from([".nan", ".NaN", ".inf", "-.inf", ".Inf", "+.inf"]))
+        return (GOOD + nested_yaml(field, value)).encode(), [], [field]
+    if how == "duplicate_top":
+        key, value = draw(st.sampled_from([("name", "again"), ("command", "echo twice"), ("priority", "1"),
+                                           ("kind", "command")]))
+        return (GOOD + f"priority: 0\n" * (key != "priority") + f"{key}: {value}\n" + ("priority: 2\n" if key == "priority" else "")).encode(), [], [key, "duplicate"]
+    if how == "duplicate_nested":
+        section, key = draw(st.sampled_from([("limits", "stop_grace"), ("retry", "max_attempts"), ("env", "A"),
+                                             ("resources", "gpus")]))
+        return (GOOD + f"{section}:\n  {key}: 1\n  {key}: 2\n").encode(), [], [f"{section}.{key}", "duplicate"]
+    if how == "env_name":
+        name = draw(st.sampled_from(["1BAD", "A-B", "A B", "A.B", "é", "X=Y", "-", "9", "A$"]))
+        quoted = name.replace('"', '\\"')
+        return (GOOD + f'env:\n  "{quoted}": x\n').encode(), [], [f"env.{name}", "environment variable name"]
+    if how == "env_reserved":
+        name = "OFFLOAD_JOBS_" + draw(st.sampled_from(["RUN_DIR", "METRICS", "X", "JOB_ID"]))
+        return (GOOD + f"env:\n  {name}: x\n").encode(), [], [f"env.{name}", "set by the worker"]
+    if how == "nul_escape":
+        field = draw(st.sampled_from(["name", "workdir", "env.A", "image", "command"]))
+        text = GOOD.replace("command: echo hi\n", "command: echo ok\n") if field == "command" else GOOD
+        if field == "command":
+            text = text.replace("command: echo ok\n", 'command: "echo \\0 hi"\n')
+        elif field == "name":
+            text = text.replace("name: ok\n", 'name: "o\\0k"\n')
+        else:
+            text += nested_yaml(field, '"a\\0b"')
+        return text.encode(), [], [field, "NUL"]
+    if how == "inf_size":
+        field = draw(st.sampled_from(SIZES))
+        value = draw(st.sampled_from(["1e999GiB", "1e400", "9e999MB", "1e19EiB", "2e18GiB"]))
+        return (GOOD + nested_yaml(field, f'"{value}"')).encode(), [], [field]
+    if how == "inf_duration":
+        field = draw(st.sampled_from(DURATIONS))
+        value = draw(st.sampled_from(['"1e999s"', "1e999", '"1e400h"', "99999999999", '"400d"']))
+        return (GOOD + nested_yaml(field, value)).encode(), [], [field]
+    if how == "big_command":
+        n = draw(st.integers(131_072, 140_000))
+        return (GOOD.replace("command: echo hi", "command: echo " + "x" * n)).encode(), [], ["command"]
+    if how == "alias_bomb":
+        levels = draw(st.integers(6, 9))
+        lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+        return (GOOD + "outputs:\n" + "".join("  - " + ln.split(": ", 1)[1] + "\n" for ln in lines)).encode(), [], \
+            ["{file}", "values"]
+    if how == "set_huge_int":
+        field = draw(st.sampled_from(NUMERIC_INT))
+        item = f"{field}={draw(st.integers(2**63, 10**40))}"
+        return GOOD.encode(), [item], [field, f"--set {item}"]
+    if how == "set_env_name":
+        name = draw(st.sampled_from(["1X", "A-B", "OFFLOAD_JOBS_RUN_DIR"]))
+        item = f"env.{name}=v"
+        return GOOD.encode(), [item], [f"env.{name}", f"--set {item}"]
+    if how == "set_nan":
+        field = draw(st.sampled_from(NUMERIC_FLOAT + DURATIONS))
+        item = f"{field}={draw(st.sampled_from(['.nan', '.inf', '-.inf']))}"
+        return GOOD.encode(), [item], [field, f"--set {item}"]
+    if how == "date_value":
+        field = draw(st.sampled_from(["name", "workdir", "env.WHEN"]))
+        text = GOOD.replace("name: ok\n", "") if field == "name" else GOOD
+        return (text + nested_yaml(field, "2024-01-02")).encode(), [], [field, "date"]
+    field = draw(st.sampled_from(["name", "env.BLOB", "workdir"]))
+    text = GOOD.replace("name: ok\n", "") if field == "name" else GOOD
+    return (text + nested_yaml(field, "!!binary aGVsbG8=")).encode(), [], [field, "binary"]
+
+
+def _check_one_line(result: Any, must: list[str], path: Path) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output[-500:], result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception  # handled, not crashed
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-1000:]
+    assert lines[0].startswith("error: ")
+    for word in must:
+        word = word.replace("{file}", str(path))
+        assert word in lines[0], (word, lines[0][:400])
+
+
+@settings(max_examples=160, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+@given(case=raw_bad_files())
+def test_160_raw_bad_files_exit_2_naming_field_file_or_set(case: tuple[bytes, list[str], list[str]]) -> None:
+    data, sets, must = case
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_bytes(data)
+        args = ["validate", str(path)]
+        for s in sets:
+            args += ["--set", s]
+        _check_one_line(runner.invoke(app, args), must, path)
+
+
+@pytest.fixture(scope="module")
+def worker_env(worker) -> Any:
+    """The environment a user's shell would have for the module's real worker."""
+    return {"OFFLOAD_JOBS_HOME": str(worker.home), "OFFLOAD_JOBS_URL": None, "OFFLOAD_JOBS_TOKEN": None}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
+                                 HealthCheck.function_scoped_fixture])
+@given(case=raw_bad_files())
+def test_40_raw_bad_files_through_submit_to_a_real_worker(worker_env: Any, worker: Any,
+                                                          case: tuple[bytes, list[str], list[str]]) -> None:
+    data, sets, must = case
+    before = len(worker.client().list(summary=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_bytes(data)
+        args = ["submit", str(path), "-d"]
+        for s in sets:
+            args += ["--set", s]
+        _check_one_line(runner.invoke(app, args, env=worker_env), must, path)
+    assert len(worker.client().list(summary=True)) == before, "a refused spec left no job behind"
+
+
+RAW_SCRIPT_CASES = [
+    (b"kind: command\ncommand: echo \xff\n", [], ["{file}", "not UTF-8"]),
+    (b"\x7fELF\x02\x01\x01\0\0\0", [], ["{file}", "binary"]),
+    (b"kind: command\ncommand: echo\noutputs: " + b"[" * 3000 + b"]" * 3000 + b"\n", [], ["{file}", "nested"]),
+    (b"kind: command\ncommand: echo\nname: a\nname: b\n", [], ["name", "duplicate"]),
+    (b"kind: command\ncommand: echo\nlimits:\n  stop_grace: .inf\n", [], ["limits.stop_grace"]),
+    (b"kind: command\ncommand: echo\n", ["priority=99999999999999999999999"], ["priority", "--set priority="]),
+]
+
+
+@pytest.mark.parametrize(("data", "sets", "must"), RAW_SCRIPT_CASES,
+                         ids=["non-utf8", "binary", "deep-flow", "duplicate-key", "stop-grace-inf", "set-huge-int"])
+@pytest.mark.parametrize("verb", ["validate", "submit"])
+def test_raw_bad_files_through_the_console_script(tmp_path: Path, worker: Any, verb: str, data: bytes,
+                                                  sets: list[str], must: list[str]) -> None:
+    exe = Path(sys.executable).parent / "offload-jobs"
+    path = tmp_path / "job.yaml"
+    path.write_bytes(data)
+    args = [str(exe), verb, str(path)] + (["-d"] if verb == "submit" else [])
+    for s in sets:
+        args += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+    env["OFFLOAD_JOBS_HOME"] = str(worker.home)
+    res = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 2, res
+    assert "Traceback" not in res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for word in must:
+        assert word.replace("{file}", str(path)) in lines[0], (word, lines[0])
