@@ -300,6 +300,65 @@ def test_ps_and_show_json(cli: CLI, api: JobsClient, tmp_path: Path) -> None:
     assert all(j["id"] != job_id for j in json.loads(cli("ps", "--json").stdout))
 
 
+def test_ps_pages_the_newest_and_says_how_many_more(cli: CLI, api: JobsClient, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "true", name="paged")
+    ids = [submit_detached(cli, spec) for _ in range(3)]
+    for job_id in ids:
+        wait_status(api, job_id, TERMINAL)
+    total = len(api.list(summary=True))
+    res = cli("ps", "--all", "--limit", "2")
+    assert res.returncode == 0, res.stderr
+    rows = res.stdout.strip().splitlines()
+    assert rows[0].split()[:4] == ["ID", "NAME", "KIND", "STATUS"] and len(rows) == 3
+    assert ids[-1] in rows[1] and ids[-2] in rows[2]  # newest first
+    assert f"the newest 2 of {total} jobs" in res.stderr
+    assert len(json.loads(cli("ps", "--all", "--json").stdout)) == total  # --all: no page limit
+
+
+def test_delete_and_prune(cli: CLI, api: JobsClient, tmp_path: Path) -> None:
+    done = [submit_detached(cli, write_spec(tmp_path, "true", name=f"old{i}")) for i in range(2)]
+    for job_id in done:
+        wait_status(api, job_id, TERMINAL)
+    running = submit_detached(cli, write_spec(tmp_path, "sleep 60", name="busy"))
+    wait_status(api, running, {"RUNNING"})
+    try:
+        run_dir = Path(api.get(done[0])["run_dir"])
+        assert run_dir.is_dir()
+        res = cli("delete", done[0][:8])
+        assert res.returncode == 0 and f"{done[0]} deleted" in res.stdout, res.stderr
+        assert not run_dir.exists()
+        assert all(j["id"] != done[0] for j in api.list(summary=True))
+        line = assert_one_error_line(cli("delete", running))
+        assert "cancel it" in line
+        line = assert_one_error_line(cli("delete", done[0]))
+        assert done[0] in line  # gone already
+        # prune: nothing is that old; then everything finished is
+        res = cli("prune", "--older-than", "7d", "--json")
+        assert json.loads(res.stdout)["deleted"] == []
+        res = cli("prune", "--older-than", "0s", "--dry-run")
+        assert res.returncode == 0 and done[1] in res.stdout and "would delete" in res.stdout
+        assert api.get(done[1])["status"] == "SUCCEEDED"  # a dry run deletes nothing
+        res = cli("prune", "--older-than", "0s", "--json")
+        pruned = json.loads(res.stdout)["deleted"]
+        assert done[1] in pruned and running not in pruned
+        assert api.get(running)["status"] == "RUNNING"
+        line = assert_one_error_line(cli("prune", "--older-than", "soon"))
+        assert "--older-than" in line
+    finally:
+        api.cancel(running)
+
+
+def test_validate_strict_checks_paths_on_the_worker(cli: CLI, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "true", name="strict", workdir=str(tmp_path / "not-made"))
+    assert cli("validate", str(spec)).returncode == 0  # valid as a spec...
+    line = assert_one_error_line(cli("validate", str(spec), "--strict"))
+    assert "workdir" in line and "not-made" in line and "does not exist on the worker" in line
+    assert str(spec) in line
+    (tmp_path / "not-made").mkdir()
+    res = cli("validate", str(spec), "--strict")
+    assert (res.returncode, res.stdout) == (0, "ok\n"), res.stderr
+
+
 def test_python_dash_m_jobs(worker: Any) -> None:
     res = subprocess.run([sys.executable, "-m", "jobs", "ps", "--json"], capture_output=True, text=True,
                          env=cli_env(worker.home), timeout=60, cwd=REPO)

@@ -63,6 +63,75 @@ def test_no_worker_error_imports_nothing_heavy(tmp_path: Path) -> None:
     assert heavy(mods) == []
 
 
+def _seed(home: Path, n: int) -> None:
+    """`n` jobs straight into a new store: one GPU slot, so they stay queued behind each other."""
+    from jobs.rundir import RunDir
+    from jobs.store import JobStore
+
+    store = JobStore(home / "jobs.db")
+    spec = {"kind": "command", "command": "sleep 600", "resources": {"gpus": 1}, "env": {"NOTE": "x" * 200}}
+    for i in range(n):
+        job_id = store.new_id()
+        rd = RunDir.for_job(home, job_id).create(spec)
+        store.create_job(spec, kind="command", name=f"seeded-{i}", gpus=1, max_attempts=3, job_id=job_id,
+                         run_dir_for=lambda _, p=str(rd.path): p)
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def thousand_jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from jobs_helpers import WorkerProcess
+
+    home = tmp_path_factory.mktemp("thousand") / "home"
+    home.mkdir()
+    _seed(home, 1000)
+    w = WorkerProcess(home, "--gpus", "1").start()
+    yield w
+    with w.client() as c:
+        for j in c.list(status="RUNNING", summary=True):
+            c.cancel(j["id"])
+    w.stop()
+
+
+def test_report_cli_times_with_1000_jobs(thousand_jobs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reports (does not assert) wall and CPU time of `ps`, `ps --json`, `ps --all` and `submit -d` on a
+    worker holding 1,000 jobs (budget 0.3 s for `ps` and `submit -d`).
+
+    Wall time depends on how busy the machine is; CPU time (user + sys of the child) much less so.
+    """
+    import resource
+
+    exe = Path(sys.executable).parent / "offload-jobs"
+    spec = tmp_path / "one.yaml"
+    spec.write_text("kind: command\nname: timed\ncommand: 'true'\nresources: {gpus: 1}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+    env["OFFLOAD_JOBS_HOME"] = str(thousand_jobs.home)
+    runs = {"ps": ["ps"], "ps --json": ["ps", "--json"], "ps --all": ["ps", "--all"],
+            "submit -d": ["submit", str(spec), "-d"]}
+    wall: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(7):
+        for label, args in runs.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            res = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=60)
+            wall[label].append(time.perf_counter() - t0)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[label].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+            assert res.returncode == 0, res.stderr
+            if label == "ps":
+                assert len(res.stdout.splitlines()) == 51 and "of 10" in res.stderr  # header + the newest 50
+            if label == "ps --all":
+                assert len(res.stdout.splitlines()) >= 1001
+    load = os.getloadavg()[0]
+    with capsys.disabled():
+        for label, ts in wall.items():
+            print(f"\n[latency, 1,000 jobs] offload-jobs {label}: wall median {statistics.median(ts) * 1000:.0f} ms "
+                  f"(min {min(ts) * 1000:.0f}), CPU median {statistics.median(cpu[label]) * 1000:.0f} ms "
+                  f"(min {min(cpu[label]) * 1000:.0f}), over {len(ts)} runs at load average {load:.1f} on "
+                  f"{os.cpu_count()} CPUs")
+
+
 def test_report_ps_wall_time(worker: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Reports (does not assert) the wall and CPU time of the real console script `offload-jobs ps`.
 
