@@ -29,14 +29,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (
-    Column, Connection, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-    case, create_engine, delete, event, func, insert, literal_column, select, text, update,
-)
+from sqlalchemy import Connection, case, create_engine, delete, event, func, insert, literal_column, select, update
 from sqlalchemy.exc import DatabaseError, SQLAlchemyError
 
 from jobs import strict_json
 from jobs.errors import InvalidTransition, JobNotFound, StoreError
+from jobs.tables import MIGRATIONS, SCHEMA_VERSION, attempts_t, events_t, jobs_t, schema_version_t
 from jobs.vocab import LIVE, REASONS, STATES, TERMINAL
 
 __all__ = ["JobStore", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION", "SUMMARY_COLUMNS"]
@@ -44,76 +42,6 @@ __all__ = ["JobStore", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION"
 log = logging.getLogger("offload_jobs.store")
 
 METRICS_MAX_BYTES = 64 * 1024  # last_metrics is a summary for tables, not a data channel
-
-metadata = MetaData()
-
-jobs_t = Table(
-    "jobs", metadata,
-    Column("id", String(32), primary_key=True),
-    Column("seq", Integer, nullable=False),  # submit order, the FIFO tie-break
-    Column("name", String(200), nullable=False),
-    Column("kind", String(16), nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("reason", String(32)),
-    Column("message", Text),
-    Column("priority", Integer, nullable=False, default=0),
-    Column("gpus", Integer, nullable=False, default=0),
-    Column("attempt", Integer, nullable=False, default=0),
-    Column("max_attempts", Integer, nullable=False, default=1),
-    Column("spec", Text, nullable=False),
-    Column("run_dir", Text),
-    Column("created_at", Float, nullable=False),
-    Column("started_at", Float),
-    Column("finished_at", Float),
-    Column("exit_code", Integer),
-    Column("last_metrics", Text),
-    Index("ix_jobs_claim", "status", "priority", "seq"),
-)
-
-attempts_t = Table(
-    "attempts", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("job_id", String(32), ForeignKey("jobs.id"), nullable=False, index=True),
-    Column("number", Integer, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("reason", String(32)),
-    Column("message", Text),
-    Column("executor", String(16)),
-    Column("pid", Integer),
-    Column("pgid", Integer),
-    Column("handle", Text),  # the executor's identity of the child (pid + start time, cgroup, container id)
-    Column("worker_pid", Integer),
-    Column("started_at", Float),
-    Column("finished_at", Float),
-    Column("exit_code", Integer),
-)
-
-events_t = Table(
-    "events", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("ts", Float, nullable=False),
-    Column("job_id", String(32), index=True),
-    Column("type", String(32), nullable=False),
-    Column("data", Text, nullable=False),
-    sqlite_autoincrement=True,  # ids are never reused: they are SSE ids
-)
-
-schema_version_t = Table("schema_version", metadata, Column("version", Integer, nullable=False))
-
-
-def _m1_initial(conn: Connection) -> None:
-    for t in (jobs_t, attempts_t, events_t):
-        t.create(conn, checkfirst=True)
-
-
-def _m2_seq_index(conn: Connection) -> None:
-    # `ps` pages the newest jobs first; the seq index makes that a short index walk.
-    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_seq ON jobs (seq)"))  # SQLite and Postgres alike
-
-
-# Append-only: entry N brings the schema from version N to N+1.
-MIGRATIONS: list[Callable[[Connection], None]] = [_m1_initial, _m2_seq_index]
-SCHEMA_VERSION = len(MIGRATIONS)
 
 _JOB_COLS = [c for c in jobs_t.c]
 # What a table of jobs needs: no spec (up to 1 MiB each), no metrics.

@@ -195,8 +195,23 @@ def test_bad_spec_is_400_naming_the_field(client: JobsClient) -> None:
     with pytest.raises(SpecError) as e:
         client.submit({"kind": "command", "command": "true", "resources": {"gpus": 64}})
     assert e.value.field == "resources.gpus"
-    r = httpx.post(f"{client.url}/v1/jobs", json={"spec": {"kind": "train"}}, headers={"Authorization": f"Bearer {client.token}"})
+    auth = {"Authorization": f"Bearer {client.token}", "Content-Type": "application/json"}
+    r = httpx.post(f"{client.url}/v1/jobs", json={"spec": {"kind": "train"}}, headers=auth)
     assert r.status_code == 400 and r.json()["field"] == "model.path"
+    # What used to be a 500, or a job that could never end, is a 400 naming the field.
+    bodies = [
+        ('{"spec": {"kind": "command", "command": "true", "priority": 99999999999999999999999}}', "priority"),
+        ('{"spec": {"kind": "command", "command": "true", "limits": {"stop_grace": 1e999}}}', "limits.stop_grace"),
+        ('{"spec": {"kind": "command", "command": "true", "train": {"lr": NaN}}}', None),
+        ('{"spec": {"kind": "command", "command": "true", "name": "a", "name": "b"}}', "name"),
+        ('{"spec": {"kind": "command", "command": "true", "env": {"BAD NAME": "x"}}}', "env.BAD NAME"),
+        ('{"spec": {"kind": "command", "command": "true", "outputs": ' + "[" * 5000 + "]" * 5000 + "}}", None),
+        ('{"spec": {"kind": "command", "command": "a\\u0000b"}}', "command"),
+    ]
+    for body, field in bodies:
+        r = httpx.post(f"{client.url}/v1/jobs", content=body, headers=auth)
+        assert r.status_code == 400, (body[:80], r.status_code, r.text[:200])
+        assert r.json()["field"] == field, (body[:80], r.json())
 
 
 def test_unknown_job_is_job_not_found(client: JobsClient) -> None:
