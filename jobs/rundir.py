@@ -61,7 +61,7 @@ class RunDir:
     @contextmanager
     def _open(self, name: str, flags: int, *, write: bool = False) -> Iterator[int]:
         """A descriptor of `name` in this dir, refusing anything but a plain regular file."""
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dfd = self._dir_fd()
         try:
             try:
                 fd = os.open(name, flags | _SAFE, 0o600, dir_fd=dfd)
@@ -81,6 +81,14 @@ class RunDir:
             yield fd
         finally:
             os.close(fd)
+
+    def _dir_fd(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise RunDirError(f"refusing {self.path}: not a plain directory (a symbolic link?)") from None
+            raise
 
     def open_log_fd(self) -> int:
         """A descriptor appending to output.log (for a child's stdout and stderr); the caller closes it."""
@@ -216,7 +224,7 @@ class RunDir:
     def _replace(self, name: str, data: bytes) -> None:
         """Write `name` atomically (a temp file renamed over it); raises OSError."""
         tmp = f".{name}.tmp"
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dfd = self._dir_fd()
         try:
             try:
                 os.unlink(tmp, dir_fd=dfd)
@@ -235,7 +243,7 @@ class RunDir:
     read_exit_report = read_report
 
     def clear_report(self) -> None:
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dfd = self._dir_fd()
         try:
             os.unlink(REPORT_FILE, dir_fd=dfd)  # unlinking a planted symlink removes the link only
         except FileNotFoundError:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from jobs.executors.base import Executor, Exit, Handle, Launch, SetupFailed, classify
+from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed, classify
 
-__all__ = ["Executor", "Exit", "Handle", "Launch", "SetupFailed", "classify", "get_executor"]
+__all__ = ["Executor", "Exit", "Handle", "Launch", "Recovered", "SetupFailed", "classify", "get_executor"]
 
 
 def get_executor(name: str) -> Executor:

@@ -65,6 +65,7 @@ class Exit:
     ran: bool = True  # False: the child was stopped before it ran any job code
     setup_error: str | None = None  # it could not start (no such binary, missing workdir)
     report: dict[str, Any] | None = None  # the job's own report.json
+    unknown: bool = False  # it ended with no record of how (its launcher was killed, say)
 
 
 @dataclass

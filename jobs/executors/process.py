@@ -39,6 +39,7 @@ class _Held:
     def __init__(self, popen: subprocess.Popen[bytes] | None, go_w: int | None) -> None:
         self.popen = popen
         self.go_w = go_w
+        self.released: bool | None = False if go_w is not None else None  # None: adopted, not known here
 
     def close_go(self, go: bool) -> None:
         if self.go_w is None:
@@ -46,6 +47,7 @@ class _Held:
         try:
             if go:
                 os.write(self.go_w, b"g")
+                self.released = True
         finally:
             os.close(self.go_w)
             self.go_w = None
@@ -144,9 +146,11 @@ class ProcessExecutor(Executor):
             return exit_from_record(rec)
         # No record: the launcher was killed, or the disk refused even the reserved space.
         self._stop_tree(handle, signal.SIGKILL)
-        if launcher_rc is None or launcher_rc < 0:
-            return Exit(exit_code=None, signal=signal.SIGKILL, oom=None)
-        if launcher_rc > 128:
+        if handle.obj.released is False:
+            return Exit(exit_code=None, ran=False)  # never let go: whatever its exit code, nothing ran
+        if launcher_rc is None or launcher_rc < 0 or handle.obj.released is None:
+            return Exit(exit_code=None, unknown=True)
+        if launcher_rc > 128:  # the launcher mirrors the job's status when it cannot write it
             return Exit(exit_code=None, signal=launcher_rc - 128, oom=None)
         return Exit(exit_code=launcher_rc)
 

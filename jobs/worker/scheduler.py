@@ -322,6 +322,11 @@ class Scheduler:
                             never_ran=True)
         if stop_reason == "shutdown":
             return _Outcome("FAILED", "worker_lost", code, "the worker stopped while the job ran")
+        if ex.unknown:
+            if stop_reason == "cancelled":
+                return _Outcome("CANCELLED", "cancelled", None, None)
+            return _Outcome("FAILED", "worker_lost", None, "the attempt ended with no exit record (its launcher "
+                                                             "was killed?)")
         status, reason, msg = classify(ex, stop_reason=stop_reason, killed_by_us=killed, exit_report=None)
         return _Outcome(status, reason, code, msg)
 

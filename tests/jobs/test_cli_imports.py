@@ -93,72 +93,60 @@ def thousand_jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     w.stop()
 
 
-def test_report_cli_times_with_1000_jobs(thousand_jobs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Reports (does not assert) wall and CPU time of `ps`, `ps --json`, `ps --all` and `submit -d` on a
-    worker holding 1,000 jobs (budget 0.3 s for `ps` and `submit -d`).
-
-    Wall time depends on how busy the machine is; CPU time (user + sys of the child) much less so.
-    """
-    import resource
-
-    exe = Path(sys.executable).parent / "offload-jobs"
-    spec = tmp_path / "one.yaml"
-    spec.write_text("kind: command\nname: timed\ncommand: 'true'\nresources: {gpus: 1}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
-    env["OFFLOAD_JOBS_HOME"] = str(thousand_jobs.home)
-    runs = {"ps": ["ps"], "ps --json": ["ps", "--json"], "ps --all": ["ps", "--all"],
-            "submit -d": ["submit", str(spec), "-d"]}
-    wall: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(7):
-        for label, args in runs.items():
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t0 = time.perf_counter()
-            res = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=60)
-            wall[label].append(time.perf_counter() - t0)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu[label].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-            assert res.returncode == 0, res.stderr
-            if label == "ps":
-                assert len(res.stdout.splitlines()) == 51 and "of 10" in res.stderr  # header + the newest 50
-            if label == "ps --all":
-                assert len(res.stdout.splitlines()) >= 1001
-    load = os.getloadavg()[0]
-    with capsys.disabled():
-        for label, ts in wall.items():
-            print(f"\n[latency, 1,000 jobs] offload-jobs {label}: wall median {statistics.median(ts) * 1000:.0f} ms "
-                  f"(min {min(ts) * 1000:.0f}), CPU median {statistics.median(cpu[label]) * 1000:.0f} ms "
-                  f"(min {min(cpu[label]) * 1000:.0f}), over {len(ts)} runs at load average {load:.1f} on "
-                  f"{os.cpu_count()} CPUs")
-
-
-def test_report_ps_wall_time(worker: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """Reports (does not assert) the wall and CPU time of the real console script `offload-jobs ps`.
-
-    Wall time depends on how busy the machine is; CPU time (user + sys of the child) much less so.
-    """
+def time_cli(home: Path, runs: dict[str, list[str]], n: int = 7, check: Any = None) -> dict[str, tuple[list[float], list[float]]]:
+    """{label: (wall seconds, CPU seconds)} of `n` runs of each console-script command against `home`."""
     import resource
 
     exe = Path(sys.executable).parent / "offload-jobs"
     if not exe.exists():
         pytest.fail("the offload-jobs console script is not installed; run: .venv/bin/pip install -e . --no-deps")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
-    env["OFFLOAD_JOBS_HOME"] = str(worker.home)
-    wall: dict[str, list[float]] = {"ps": [], "ps --json": []}
-    cpu: dict[str, list[float]] = {"ps": [], "ps --json": []}
-    for _ in range(7):
-        for label in wall:
+    env["OFFLOAD_JOBS_HOME"] = str(home)
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    for _ in range(n):
+        for label, args in runs.items():
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            res = subprocess.run([str(exe), *label.split()], capture_output=True, text=True, env=env, timeout=60)
-            wall[label].append(time.perf_counter() - t0)
+            res = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=60)
+            out[label][0].append(time.perf_counter() - t0)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu[label].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+            out[label][1].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
             assert res.returncode == 0, res.stderr
+            if check is not None:
+                check(label, res)
+    return out
+
+
+def report_times(tag: str, times: dict[str, tuple[list[float], list[float]]], capsys: Any) -> None:
     load = os.getloadavg()[0]
     with capsys.disabled():
-        for label, ts in wall.items():
-            print(f"\n[latency] offload-jobs {label}: wall median {statistics.median(ts) * 1000:.0f} ms "
-                  f"(min {min(ts) * 1000:.0f}, max {max(ts) * 1000:.0f}), CPU median "
-                  f"{statistics.median(cpu[label]) * 1000:.0f} ms, over {len(ts)} runs at load average {load:.1f} "
-                  f"on {os.cpu_count()} CPUs (budget 300 ms)")
+        for label, (wall, cpu) in times.items():
+            print(f"\n[latency{tag}] offload-jobs {label}: wall median {statistics.median(wall) * 1000:.0f} ms "
+                  f"(min {min(wall) * 1000:.0f}), CPU median {statistics.median(cpu) * 1000:.0f} ms "
+                  f"(min {min(cpu) * 1000:.0f}), over {len(wall)} runs at load average {load:.1f} on "
+                  f"{os.cpu_count()} CPUs (budget 300 ms)")
+
+
+def test_report_cli_times_with_1000_jobs(thousand_jobs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reports (does not assert) wall and CPU time of `ps`, `ps --json`, `ps --all` and `submit -d` on a
+    worker holding 1,000 jobs (budget 0.3 s for `ps` and `submit -d`).
+
+    Wall time depends on how busy the machine is; CPU time (user + sys of the child) much less so.
+    """
+    spec = tmp_path / "one.yaml"
+    spec.write_text("kind: command\nname: timed\ncommand: 'true'\nresources: {gpus: 1}\n")
+
+    def check(label: str, res: Any) -> None:
+        if label == "ps":
+            assert len(res.stdout.splitlines()) == 51 and "of 10" in res.stderr  # header + the newest 50
+        if label == "ps --all":
+            assert len(res.stdout.splitlines()) >= 1001
+
+    runs = {"ps": ["ps"], "ps --json": ["ps", "--json"], "ps --all": ["ps", "--all"],
+            "submit -d": ["submit", str(spec), "-d"]}
+    report_times(", 1,000 jobs", time_cli(thousand_jobs.home, runs, check=check), capsys)
+
+
+def test_report_ps_wall_time(worker: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reports (does not assert) the wall and CPU time of `offload-jobs ps` on a few jobs."""
+    report_times("", time_cli(worker.home, {"ps": ["ps"], "ps --json": ["ps", "--json"]}), capsys)

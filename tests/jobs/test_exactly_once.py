@@ -205,6 +205,14 @@ def fill(mnt: Path) -> Path:
     return filler
 
 
+def start_gated(c: JobsClient, ledger: Path, gate: Path, codes: list[int]) -> dict[str, int]:
+    """Submit one gated job per exit code; return {job id: code} once all of them run."""
+    jobs = {c.submit({"kind": "command", "command": gated_command(ledger, gate, code)})["id"]: code for code in codes}
+    wait_until(lambda: all(c.get(j)["status"] == "RUNNING" and ledger_lines(ledger, j) for j in jobs), 30,
+               what=f"all {len(jobs)} running")
+    return jobs
+
+
 def test_completions_while_the_store_disk_is_full(small_tmpfs: Path, tmp_path: Path) -> None:
     home, ledger = small_tmpfs / "home", tmp_path / "ledger"
     ledger.mkdir()
@@ -214,12 +222,7 @@ def test_completions_while_the_store_disk_is_full(small_tmpfs: Path, tmp_path: P
     # 1. ten jobs complete while the disk is full; the worker keeps their completions and
     #    records them once space is freed.
     gate = tmp_path / "gate1"
-    expected = {}
-    for i in range(10):
-        code = 0 if i % 3 else 3
-        expected[c.submit({"kind": "command", "command": gated_command(ledger, gate, code)})["id"]] = code
-    wait_until(lambda: all(c.get(j)["status"] == "RUNNING" and ledger_lines(ledger, j) for j in expected), 30,
-               what="all 10 running")
+    expected = start_gated(c, ledger, gate, [0 if i % 3 else 3 for i in range(10)])
     filler = fill(small_tmpfs)
     with pytest.raises(JobsError):  # the store really is full: a new job cannot be written
         c.submit({"kind": "command", "command": "true"})
@@ -241,12 +244,7 @@ def test_completions_while_the_store_disk_is_full(small_tmpfs: Path, tmp_path: P
     # 2. five more complete while full, and the worker dies before it could record them:
     #    the next worker replays them from exit.json.
     gate = tmp_path / "gate2"
-    more = {}
-    for i in range(5):
-        code = 0 if i % 2 else 3
-        more[c.submit({"kind": "command", "command": gated_command(ledger, gate, code)})["id"]] = code
-    wait_until(lambda: all(c.get(j)["status"] == "RUNNING" and ledger_lines(ledger, j) for j in more), 30,
-               what="all 5 running")
+    more = start_gated(c, ledger, gate, [0 if i % 2 else 3 for i in range(5)])
     filler = fill(small_tmpfs)
     gate.touch()
     wait_until(lambda: all(len(ledger_lines(ledger, j)) == 2 for j in more), 30, what="all 5 ended")

@@ -171,3 +171,29 @@ def test_command_runner_env_contract(tmp_path: Path) -> None:
 ])
 def test_classify(ex: Exit, stop, killed, report, expected) -> None:
     assert classify(ex, stop_reason=stop, killed_by_us=killed, exit_report=report)[:2] == expected
+
+
+def test_an_unreleased_child_never_counts_as_run_even_without_exit_json(tmp_path: Path, ex: ProcessExecutor) -> None:
+    """A full disk can refuse even exit.json; a child the worker never let go still never ran."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        launch = _launch(mnt, ["/bin/sh", "-c", f"touch {tmp_path}/ran"])
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        h = ex.prepare(launch)
+        ex.abort(h)
+        res = _wait(ex, h)
+        assert launch.run_dir.read_exit(1) is None, "the disk was not full after all"
+        assert res.ran is False and not (tmp_path / "ran").exists()
+        ex.cleanup(h)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

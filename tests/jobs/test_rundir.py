@@ -54,3 +54,32 @@ def test_utf8_safe_end() -> None:
         end = utf8_safe_end(data[:cut])
         data[:end].decode("utf-8")  # never raises
         assert cut - end < 4
+
+
+def test_planted_links_fifos_and_hard_links_are_refused(tmp_path: Path) -> None:
+    import os
+
+    import pytest
+
+    from jobs.errors import RunDirError
+
+    rd = RunDir(tmp_path / "r").create({})
+    secret = tmp_path / "secret"
+    secret.write_text("host file\n")
+    rd.log_file.unlink()
+    rd.log_file.symlink_to(secret)
+    with pytest.raises(RunDirError, match="symbolic link"):
+        rd.read_log()
+    assert rd.append_log("[offload-jobs] note\n") is False and secret.read_text() == "host file\n"
+    rd.metrics_file.unlink()
+    os.mkfifo(rd.metrics_file)  # a reader that blocks forever on a FIFO would hang the worker
+    assert rd.read_metrics() == ([], 0) and rd.last_metrics() is None
+    rd.events_file.unlink()
+    os.link(secret, rd.events_file)  # a hard link to a file outside: never written
+    assert rd.append_event({"status": "RUNNING"}) is False and secret.read_text() == "host file\n"
+    (rd.path / "exit.json").symlink_to(secret)
+    assert rd.read_exit() is None
+    moved = RunDir(tmp_path / "link-to-dir")
+    moved.path.symlink_to(tmp_path)
+    with pytest.raises(RunDirError, match="not a plain directory"):
+        moved.read_log()

@@ -104,3 +104,34 @@ def test_a_real_oom_kill_is_host_oom(worker, tmp_path: Path) -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+@pytest.mark.gpu
+def test_cancel_frees_the_vram_of_a_setsid_descendant(worker_factory, tmp_path: Path) -> None:
+    """The issue's case: a GPU job's setsid'd child kept its VRAM after cancel."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = lambda: pynvml.nvmlDeviceGetMemoryInfo(dev).used  # noqa: E731
+    except Exception as exc:  # pragma: no cover - GPU box without NVML
+        pytest.skip(f"needs NVML to read device memory ({exc})")
+    marker = tmp_path / "allocated"
+    hog = (f'setsid python -c "import torch, time, pathlib; x = torch.empty(4 << 30, dtype=torch.uint8, device=\'cuda\'); '
+           f'torch.cuda.synchronize(); pathlib.Path(\'{marker}\').touch(); time.sleep(600)" & echo started; wait')
+    w = worker_factory("--gpus", "1")
+    c = w.client()
+    baseline = used()
+    job = c.submit({"kind": "command", "command": hog, "resources": {"gpus": 1}, "limits": {"stop_grace": 2}})
+    wait_until(marker.exists, 120, what="the descendant to hold 4 GiB of VRAM")
+    assert used() - baseline > 3 << 30
+    c.cancel(job["id"])
+    assert c.wait(job["id"], timeout=60)["status"] == "CANCELLED"
+    wait_until(lambda: not tagged_processes({job["id"]}), 30, what="no process of the job left")
+    wait_until(lambda: used() - baseline < 512 << 20, 30, what="the VRAM given back")
+    print(f"\n[gpu] VRAM used: baseline {baseline >> 20} MiB, after cancel {used() >> 20} MiB")
