@@ -246,7 +246,8 @@ def raw_bad_files(draw: st.DrawFn) -> tuple[bytes, list[str], list[str]]:
     if how == "duplicate_top":
         key, value = draw(st.sampled_from([("name", "again"), ("command", "echo twice"), ("priority", "1"),
                                            ("kind", "command")]))
-        return (GOOD + f"priority: 0\n" * (key != "priority") + f"{key}: {value}\n" + ("priority: 2\n" if key == "priority" else "")).encode(), [], [key, "duplicate"]
+        extra = "priority: 2\n" if key == "priority" else ""
+        return (GOOD + "priority: 0\n" + f"{key}: {value}\n" + extra).encode(), [], [key, "duplicate"]
     if how == "duplicate_nested":
         section, key = draw(st.sampled_from([("limits", "stop_grace"), ("retry", "max_attempts"), ("env", "A"),
                                              ("resources", "gpus")]))

@@ -6,17 +6,14 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from jobs_helpers import REPO, free_port, wait_until
 
 from jobs.client import JobsClient
 from jobs.errors import AuthError, RequestTooLarge, WorkerUnreachable

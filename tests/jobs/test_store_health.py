@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from jobs_helpers import wait_until
 
 from jobs.errors import StoreError
 from jobs.store import JobStore
