@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from jobs.errors import SpecError
+from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
     "KINDS",
@@ -121,12 +122,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=False)
 
 
-class ModelSpec(_Strict):
-    path: Optional[str] = Field(None, description="Diffusers folder, single-file checkpoint or shard dir.")
-    family: Optional[str] = Field(None, description="Model family (flux, sd3, wan, qwen-image); guessed when unset.")
-    dtype: Optional[str] = Field(None, description="Compute dtype: bfloat16, float16 or float32.")
-
-
 class OffloadSpec(_Strict):
     """The engine's config keys (offload_core.OffloadConfig); unset keys keep the engine's defaults."""
 
@@ -150,32 +145,6 @@ class OffloadSpec(_Strict):
     def engine_kwargs(self) -> dict[str, Any]:
         """The keys the user set, ready for `enable_offload(model, **kwargs)`."""
         return self.model_dump(exclude_none=True)
-
-
-class TrainSpec(_Strict):
-    dataset: Optional[str] = Field(None, description="Folder of images with captions.")
-    steps: int = Field(1000, ge=1)
-    lr: float = Field(1e-4, gt=0.0)
-    rank: int = Field(16, ge=1, description="LoRA rank.")
-    lora_alpha: Optional[float] = Field(None, gt=0.0)
-    target_modules: Optional[list[str]] = None
-    batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    gradient_checkpointing: bool = True
-    save_every: int = Field(250, ge=1)
-    seed: int = 0
-    resolution: int = Field(1024, ge=8)
-
-
-class InferSpec(_Strict):
-    prompt: str = ""
-    negative_prompt: Optional[str] = None
-    steps: int = Field(28, ge=1)
-    guidance: float = Field(3.5, ge=0.0)
-    height: int = Field(1024, ge=8)
-    width: int = Field(1024, ge=8)
-    seed: int = 0
-    num_images: int = Field(1, ge=1)
 
 
 class ShardSpec(_Strict):
