@@ -1,7 +1,8 @@
 """Controls a running job obeys: `offload-jobs signal JOB save|sample|stop`, and SIGTERM.
 
-The worker appends one JSON line per signal to the run dir's control.jsonl; the runner reads what
-was appended since it started, once per step. SIGTERM (cancel, or the worker shutting down) asks
+The worker appends one JSON line per signal ({"ts", "action", "attempt"}) to the run dir's
+control.jsonl; the runner reads new lines once per step and obeys those sent after its process
+started (a signal sent to an earlier attempt is not this one's to obey). SIGTERM (cancel, or the worker shutting down) asks
 for a checkpoint and a clean stop at the next step boundary.
 """
 
@@ -19,9 +20,11 @@ ACTIONS = ("save", "sample", "stop")
 
 class Controls:
     def __init__(self, run_dir: Path | None) -> None:
+        import psutil
+
         self.path = Path(run_dir) / "control.jsonl" if run_dir is not None else None
-        # Signals sent to an earlier attempt are not this attempt's to obey.
-        self.offset = self.path.stat().st_size if self.path is not None and self.path.exists() else 0
+        self.since = psutil.Process().create_time() - 0.05  # the clock's resolution; RUNNING comes after the child exists
+        self.offset = 0
         self.terminated = False
 
     def install_sigterm(self) -> None:
@@ -44,7 +47,9 @@ class Controls:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                action = rec.get("action") if isinstance(rec, dict) else None
+                if not isinstance(rec, dict) or float(rec.get("ts") or 0) < self.since:
+                    continue
+                action = rec.get("action")
                 if action in ACTIONS:
                     actions.append(action)
         if self.terminated:

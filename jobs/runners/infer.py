@@ -73,7 +73,7 @@ def infer(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
     device = resolve_device(spec.offload.target_device)
     cap = apply_vram_cap(device)
     dtype = resolve_dtype(spec.model.dtype, device)
-    model_dir = Path(spec.model.path).expanduser()
+    model_dir = Path(spec.model.path).expanduser().resolve()  # relative paths: from the job's workdir
     family = get_adapter(detect_family(model_dir, spec.model.family))
     home = run_dir.parent.parent
     lora = None

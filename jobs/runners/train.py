@@ -120,13 +120,13 @@ def train(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
     if cap:
         emit_event(run_dir, "vram_cap", bytes=cap)
     dtype = resolve_dtype(spec.model.dtype, device)
-    model_dir = Path(spec.model.path).expanduser()
+    model_dir = Path(spec.model.path).expanduser().resolve()  # relative paths: from the job's workdir
 
     # 1. inputs
     family = get_adapter(detect_family(model_dir, spec.model.family))
     if not t.dataset:
         raise SetupError("train.dataset: a train job needs a dataset folder")
-    items = scan_dataset(t.dataset, image_column=t.image_column, caption_column=t.caption_column,
+    items = scan_dataset(Path(t.dataset).expanduser().resolve(), image_column=t.image_column, caption_column=t.caption_column,
                          allow_clips=family.is_video)
     prompt_defaults = rnd.PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0, seed=t.seed,
                                      steps=t.sample_steps, guidance=t.sample_guidance if t.sample_guidance is not None
