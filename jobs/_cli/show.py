@@ -43,4 +43,4 @@ def show(
         return
     console().print(job_detail(data))
     if state is not None:
-        console().print(run_state_lines(state), highlight=False)
+        console().print(run_state_lines(state), highlight=False, soft_wrap=True)  # paths stay whole

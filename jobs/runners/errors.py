@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
-__all__ = ["classify_exception"]
+import sys
+
+__all__ = ["NonFiniteLoss", "classify_exception"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite: the job stops with reason nonfinite_loss and the step."""
+
+    def __init__(self, step: int, value: float) -> None:
+        self.step, self.value = step, value
+        super().__init__(f"the loss is {value} at step {step}; lower train.learning_rate or check the data")
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     """(reason, one-line message, exit code) for a failure a user can cause or must see; None for a bug."""
     from jobs.runners.data import DatasetError
-    from jobs.runners.families import FamilyError
-    from jobs.runners.lora import LoraError
-    from jobs.runners.render import PromptError
-    from jobs.runners.train import NonFiniteLoss, SetupError
+    from jobs.runners.folders import FamilyError, LoraError, SetupError
+    from jobs.runners.prompts import PromptError
 
+    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError)):
+        return "setup_failed", str(exc), 2
     if isinstance(exc, NonFiniteLoss):
         return "nonfinite_loss", str(exc), 1
-    if isinstance(exc, (DatasetError, FamilyError, LoraError, SetupError, PromptError)):
-        return "setup_failed", str(exc), 2
-    try:
-        from offload_core.errors import OffloadError
-    except ImportError:  # pragma: no cover
-        OffloadError = ()  # type: ignore[assignment]
-    if isinstance(exc, OffloadError):
+    core = sys.modules.get("offload_core.errors")  # loaded only if the engine was
+    if core is not None and isinstance(exc, core.OffloadError):
         return "setup_failed", f"offload: {exc}", 2
-    try:
-        import torch
-
-        if isinstance(exc, torch.cuda.OutOfMemoryError):
-            return "cuda_oom", f"out of GPU memory: {str(exc).splitlines()[0]}", 1
-    except ImportError:  # pragma: no cover
-        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "cuda_oom", f"out of GPU memory: {str(exc).splitlines()[0]}", 1
     if isinstance(exc, MemoryError):
         return "host_oom", f"out of host memory: {exc}", 1
     return None

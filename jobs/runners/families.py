@@ -14,18 +14,14 @@ is taken there, and only the transformer call packs them.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from jobs.runners.folders import FAMILY_CLASSES, FamilyError, detect_family  # the last two re-exported
+
 __all__ = ["FamilyAdapter", "ADAPTERS", "get_adapter", "detect_family", "FamilyError"]
-
-
-class FamilyError(ValueError):
-    """A model folder that is not a diffusers folder of the family asked for."""
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +114,7 @@ class FamilyAdapter:
 
 class FluxAdapter(FamilyAdapter):
     name = "flux"
-    pipeline_class = "FluxPipeline"
-    transformer_class = "FluxTransformer2DModel"
+    pipeline_class, transformer_class = FAMILY_CLASSES[name]
     # diffusers' train_dreambooth_lora_flux.py "all attention + MLP" set, double and single blocks
     default_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp")
@@ -166,8 +161,7 @@ class FluxAdapter(FamilyAdapter):
 
 class QwenImageAdapter(FamilyAdapter):
     name = "qwen-image"
-    pipeline_class = "QwenImagePipeline"
-    transformer_class = "QwenImageTransformer2DModel"
+    pipeline_class, transformer_class = FAMILY_CLASSES[name]
     # the seed workflow's targets
     default_targets = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
                        "img_mlp.net.2", "img_mod.1", "txt_mlp.net.2", "txt_mod.1")
@@ -252,8 +246,7 @@ _WAN_TOP = {"condition_embedder.time_proj": "time_projection.1", "proj_out": "he
 
 class WanAdapter(FamilyAdapter):
     name = "wan"
-    pipeline_class = "WanPipeline"
-    transformer_class = "WanTransformer3DModel"
+    pipeline_class, transformer_class = FAMILY_CLASSES[name]
     default_targets = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
     default_max_sequence_length = 226
     default_guidance = 5.0
@@ -322,42 +315,9 @@ class WanAdapter(FamilyAdapter):
         return table.get(rest)
 
 
+
 ADAPTERS: dict[str, FamilyAdapter] = {a.name: a for a in (FluxAdapter(), QwenImageAdapter(), WanAdapter())}
-_BY_PIPELINE = {a.pipeline_class: a.name for a in ADAPTERS.values()}
-_BY_TRANSFORMER = {a.transformer_class: a.name for a in ADAPTERS.values()}
 
 
 def get_adapter(name: str) -> FamilyAdapter:
     return ADAPTERS[name]
-
-
-def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
-    """The family of a diffusers folder, from model_index.json (or transformer/config.json).
-
-    Raises FamilyError naming the folder when it is not a diffusers folder, is of a family we do
-    not train, or is of another family than `expected`.
-    """
-    root = Path(model_dir).expanduser()
-    if not root.is_dir():
-        raise FamilyError(f"model.path: {root} is not a folder (a diffusers model folder is expected)")
-    found: str | None = None
-    index = root / "model_index.json"
-    tconf = root / "transformer" / "config.json"
-    try:
-        if index.is_file():
-            cls = json.loads(index.read_text(encoding="utf-8")).get("_class_name", "")
-            found = _BY_PIPELINE.get(cls)
-            what = f"a {cls or 'unnamed'} folder"
-        elif tconf.is_file():
-            cls = json.loads(tconf.read_text(encoding="utf-8")).get("_class_name", "")
-            found = _BY_TRANSFORMER.get(cls)
-            what = f"a folder whose transformer is a {cls or 'unnamed'}"
-        else:
-            raise FamilyError(f"model.path: {root} has no model_index.json (a diffusers model folder is expected)")
-    except (OSError, ValueError) as exc:
-        raise FamilyError(f"model.path: cannot read {index if index.exists() else tconf}: {exc}") from None
-    if found is None:
-        raise FamilyError(f"model.path: {root} is {what}; supported families: {', '.join(ADAPTERS)}")
-    if expected is not None and expected != found:
-        raise FamilyError(f"model.family: the spec says {expected}, but {root} is a {found} model ({what})")
-    return found

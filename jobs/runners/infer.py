@@ -17,35 +17,16 @@ from typing import Any
 import torch
 
 from jobs.runners import render as rnd
-from jobs.runners.families import FamilyAdapter, detect_family, get_adapter
+from jobs.runners.families import FamilyAdapter, get_adapter
+from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                resolve_device, resolve_dtype)
-from jobs.runners.lora import LoraError, lora_family, read_lora_metadata
+from jobs.runners.folders import LoraError, read_lora_header
 from jobs.runners.precompute import encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
 from jobs.spec import JobSpec
 
-__all__ = ["infer", "resolve_lora", "plan_prompts"]
-
-
-def resolve_lora(ref: str, home: Path) -> Path:
-    """A .safetensors path, a folder holding one, or a job id (its outputs/ folder)."""
-    p = Path(ref).expanduser()
-    if not p.exists() and (home / "runs" / ref).is_dir():
-        p = home / "runs" / ref / "outputs"
-        if not p.is_dir():
-            raise LoraError(f"infer.lora: job {ref} has no outputs/ folder")
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        preferred = [f for f in files if f.name == "lora.safetensors"]
-        if not files:
-            raise LoraError(f"infer.lora: no .safetensors file in {p} (did the train job finish?)")
-        if len(files) > 1 and not preferred:
-            raise LoraError(f"infer.lora: {p} holds {len(files)} .safetensors files; name one")
-        return (preferred or files)[0]
-    if not p.is_file():
-        raise LoraError(f"infer.lora: {ref} is neither a file, a folder, nor a job id with outputs")
-    return p
+__all__ = ["infer", "plan_prompts"]
 
 
 def plan_prompts(spec: JobSpec, family: FamilyAdapter) -> list[rnd.PromptSpec]:
@@ -66,26 +47,21 @@ def plan_prompts(spec: JobSpec, family: FamilyAdapter) -> list[rnd.PromptSpec]:
     return out
 
 
-def infer(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
+def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[str, Any]:
+    """Run the job; `checked` is what `inputs.check_infer` returned (checked again if not given)."""
+    checked = checked or check_infer(spec, run_dir.parent.parent)
     outputs = Path(os.environ.get("OFFLOAD_JOBS_OUTPUTS") or run_dir / "outputs")
     outputs.mkdir(parents=True, exist_ok=True)
     metrics = MetricsWriter()
     device = resolve_device(spec.offload.target_device)
     cap = apply_vram_cap(device)
     dtype = resolve_dtype(spec.model.dtype, device)
-    model_dir = Path(spec.model.path).expanduser().resolve()  # relative paths: from the job's workdir
-    family = get_adapter(detect_family(model_dir, spec.model.family))
-    home = run_dir.parent.parent
-    lora = None
-    if spec.infer.lora:
-        lora = resolve_lora(spec.infer.lora, home)
-        made_for = lora_family(lora)
-        if made_for is not None and made_for != family.name:
-            raise LoraError(f"infer.lora: {lora} is a {made_for} LoRA; {model_dir} is a {family.name} model")
+    family = get_adapter(checked.family)
     prompts = plan_prompts(spec, family)
     watch = HostMemoryWatch(run_dir)
     with watch:
-        return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, model_dir, family, lora, prompts, watch)
+        return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
+                      prompts, watch)
 
 
 def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
@@ -144,7 +120,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
                    "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes), **loaded.memory})
     if lora is not None:
-        meta, _ = read_lora_metadata(lora)
+        meta, _ = read_lora_header(lora)
         print(f"LoRA {lora} fused at scale {i.lora_scale} (rank {meta.get('lora_rank', '?')}, "
               f"made for {meta.get('offload_jobs.family', 'unknown')})", flush=True)
 

@@ -12,12 +12,15 @@ from jobs.runners.errors import classify_exception
 
 def main() -> None:
     spec, run_dir = load_job()
-    from jobs.runners.infer import infer
-    from jobs.runners.telemetry import quiet_libraries
-
-    quiet_libraries()
     try:
-        infer(spec, run_dir)
+        from jobs.runners.inputs import check_infer
+
+        checked = check_infer(spec, run_dir.parent.parent)  # bad input fails here, before torch is imported
+        from jobs.runners.telemetry import quiet_libraries
+        from jobs.runners.infer import infer
+
+        quiet_libraries()
+        infer(spec, run_dir, checked)
     except Exception as exc:
         known = classify_exception(exc)
         if known is None:

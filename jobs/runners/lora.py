@@ -16,17 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from jobs.runners.families import FamilyAdapter
+from jobs.runners.folders import LoraError, lora_family, read_lora_header
 
 __all__ = ["LoraError", "inject_lora", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
-           "read_lora_metadata"]
-
-
-class LoraError(ValueError):
-    """A LoRA that cannot be made or used: no module matched, a file of another family, unreadable."""
+           "read_lora_header"]
 
 
 def inject_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[str]:
@@ -96,31 +92,6 @@ def export_lora(model: torch.nn.Module, family: FamilyAdapter, path: str | Path,
     save_file(out, str(tmp), metadata=meta)
     tmp.replace(path)
     return out
-
-
-def read_lora_metadata(path: str | Path) -> tuple[dict[str, str], list[str]]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {}), list(f.keys())
-    except Exception as exc:
-        raise LoraError(f"infer.lora: {path} is not a readable .safetensors file ({exc})") from None
-
-
-def lora_family(path: str | Path) -> str | None:
-    """The family a LoRA file was made for: from our header, else guessed from its key names."""
-    meta, keys = read_lora_metadata(path)
-    if meta.get("offload_jobs.family"):
-        return meta["offload_jobs.family"]
-    body = [k.split(".", 1)[1] if k.startswith(("transformer.", "diffusion_model.")) else k for k in keys]
-    if any(k.startswith("single_transformer_blocks.") or "double_blocks" in k or "single_blocks" in k for k in body):
-        return "flux"
-    if any(k.startswith("blocks.") and (".self_attn." in k or ".cross_attn." in k or ".attn1." in k) for k in body):
-        return "wan"
-    if any(".img_mlp." in k or ".txt_mlp." in k or ".img_mod." in k for k in body):
-        return "qwen-image"
-    if any(k.startswith("transformer_blocks.") and ".ff_context." in k for k in body):
-        return "flux"  # a Flux LoRA of the double blocks only
-    return None
 
 
 def describe(meta: dict[str, str]) -> str:

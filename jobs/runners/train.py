@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from jobs.runners import render as rnd
 from jobs.runners.checkpoint import CheckpointStore
 from jobs.runners.controls import Controls
-from jobs.runners.data import epoch_order, make_buckets, nearest_bucket, scan_dataset
-from jobs.runners.families import FamilyAdapter, detect_family, get_adapter
+from jobs.runners.data import epoch_order, make_buckets, nearest_bucket
+from jobs.runners.errors import NonFiniteLoss
+from jobs.runners.families import FamilyAdapter, get_adapter
+from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                resolve_device, resolve_dtype)
 from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
@@ -32,18 +34,12 @@ from jobs.runners.precompute import encode_items, encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, progress_bar
 from jobs.spec import JobSpec
 
-__all__ = ["train", "NonFiniteLoss", "sample_sigmas", "lr_lambda"]
+__all__ = ["train", "sample_sigmas", "lr_lambda"]
 
 _ENGINE_STATS = ("vram_allocated_bytes", "vram_reserved_bytes", "vram_peak_bytes", "pinned_capacity_bytes",
                  "pinned_used_bytes", "cache_hits", "cache_misses", "cache_evictions", "h2d_bytes", "h2d_gbps",
                  "stall_ms", "prefetch_misses", "weight_bytes", "streamed_bytes", "resident_bytes",
                  "measured_step_ms", "predicted_step_ms")
-
-
-class NonFiniteLoss(RuntimeError):
-    def __init__(self, step: int, value: float) -> None:
-        self.step, self.value = step, value
-        super().__init__(f"the loss is {value} at step {step}; lower train.learning_rate or check the data")
 
 
 def sample_sigmas(n: int, how: str, shift: float, gen: torch.Generator) -> torch.Tensor:
@@ -106,8 +102,10 @@ class _Samples:
         return written
 
 
-def train(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
+def train(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[str, Any]:
+    """Run the job; `checked` is what `inputs.check_train(spec)` returned (checked again if not given)."""
     t = spec.train
+    checked = checked or check_train(spec)
     outputs = Path(os.environ.get("OFFLOAD_JOBS_OUTPUTS") or run_dir / "outputs")
     outputs.mkdir(parents=True, exist_ok=True)
     metrics = MetricsWriter()
@@ -120,25 +118,16 @@ def train(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
     if cap:
         emit_event(run_dir, "vram_cap", bytes=cap)
     dtype = resolve_dtype(spec.model.dtype, device)
-    model_dir = Path(spec.model.path).expanduser().resolve()  # relative paths: from the job's workdir
-
-    # 1. inputs
-    family = get_adapter(detect_family(model_dir, spec.model.family))
-    if not t.dataset:
-        raise SetupError("train.dataset: a train job needs a dataset folder")
-    items = scan_dataset(Path(t.dataset).expanduser().resolve(), image_column=t.image_column, caption_column=t.caption_column,
-                         allow_clips=family.is_video)
+    family = get_adapter(checked.family)
     prompt_defaults = rnd.PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0, seed=t.seed,
                                      steps=t.sample_steps, guidance=t.sample_guidance if t.sample_guidance is not None
                                      else family.default_guidance, frames=t.num_frames)
-    prompts = [rnd.parse_prompt(p, prompt_defaults) for p in rnd.read_prompts(t.sample_prompts, Path(t.dataset))]
+    dataset = Path(t.dataset or "").expanduser().resolve()
+    prompts = [rnd.parse_prompt(p, prompt_defaults) for p in rnd.read_prompts(t.sample_prompts, dataset)]
     watch = HostMemoryWatch(run_dir, warn_fraction=float(os.environ.get("OFFLOAD_JOBS_HOST_MEMORY_WARN", "0.92")))
     with watch:
-        return _train(spec, run_dir, outputs, metrics, device, cap, dtype, model_dir, family, items, prompts, watch)
-
-
-class SetupError(ValueError):
-    """Bad input found before training starts (fails the job with reason setup_failed)."""
+        return _train(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.items,
+                      prompts, watch)
 
 
 def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device,
@@ -169,7 +158,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
-    keep_vae = bool(t.sample_every and prompts)
+    keep_vae = bool(prompts)  # samples on schedule or on `signal JOB sample`
     del pipe
     if not keep_vae:
         vae = None

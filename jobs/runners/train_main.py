@@ -13,13 +13,15 @@ from jobs.runners.errors import classify_exception
 
 def main() -> None:
     spec, run_dir = load_job()
-    from jobs.runners.telemetry import quiet_libraries
-    from jobs.runners.train import train
-
-    quiet_libraries()
-
     try:
-        train(spec, run_dir)
+        from jobs.runners.inputs import check_train
+
+        checked = check_train(spec)  # bad input fails here, before torch is imported
+        from jobs.runners.telemetry import quiet_libraries
+        from jobs.runners.train import train
+
+        quiet_libraries()
+        train(spec, run_dir, checked)
     except Exception as exc:
         known = classify_exception(exc)
         if known is None:
