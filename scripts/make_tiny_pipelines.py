@@ -144,7 +144,7 @@ def _qwen_text_encoder(vocab_size: int, hidden: int = 16) -> Any:
         text_config={"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
                      "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
                      "max_position_embeddings": 2048, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
-                     "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}},
+                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
                        "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 4,
                        "fullatt_block_indexes": [0]},
