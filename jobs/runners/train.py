@@ -169,10 +169,17 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     alpha = t.lora_alpha or float(t.lora_rank)
     targets = t.lora_target_modules or list(family.default_targets)
     adapted: list[str] = []
+    # 4. (found now) the checkpoint to resume from: its LoRA goes in before the engine packs the weights
+    ckpts = CheckpointStore(run_dir / "checkpoints", keep_last=t.keep_last)
+    latest = ckpts.latest(on_skip=lambda why: emit_event(run_dir, "checkpoint_skipped", reason=why))
 
     def prepare(model: torch.nn.Module) -> None:
         torch.manual_seed(t.seed)  # the LoRA's initial A matrices
         adapted.extend(inject_lora(model, t.lora_rank, alpha, targets))
+        if latest is not None:
+            from safetensors.torch import load_file
+
+            load_trainable_state(model, load_file(str(latest / "trainable.safetensors")))
         if t.gradient_checkpointing:
             model.enable_gradient_checkpointing()
 
@@ -215,13 +222,8 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "order": epoch_order(items, t.repeats, t.batch_size,
                                                                                         t.seed, 0)}
 
-    # 4. resume
-    ckpts = CheckpointStore(run_dir / "checkpoints", keep_last=t.keep_last)
-    latest = ckpts.latest(on_skip=lambda why: emit_event(run_dir, "checkpoint_skipped", reason=why))
+    # 4. resume: the optimizer, the LR schedule, the generator and the place in the data
     if latest is not None:
-        from safetensors.torch import load_file
-
-        load_trainable_state(model, load_file(str(latest / "trainable.safetensors")))
         opt_state = torch.load(latest / "optimizer.pt", weights_only=True)
         optimizer.load_state_dict(opt_state["optimizer"])
         scheduler_lr.load_state_dict(opt_state["lr_scheduler"])

@@ -92,3 +92,31 @@ def test_a_changed_caption_recomputes_one_text_embedding_and_no_latent(client, t
     assert third["status"] == "SUCCEEDED", log(third)[-2000:]
     counts = events(third, "runner.cache")[-1]
     assert (counts["latents_computed"], counts["text_computed"]) == (6, 0)
+
+
+def test_cancel_saves_then_retry_resumes_with_optimizer_offload(client, tiny: dict[str, Path]) -> None:
+    """SIGTERM (cancel) checkpoints at the step boundary; the retry continues bitwise, with the optimizer
+    on the CPU (enable_optimizer_cpu_offload) and gradient accumulation."""
+    spec = train_spec(tiny, "flux", steps=16, save_every=None, enable_optimizer_cpu_offload=True,
+                      gradient_accumulation_steps=2)
+    victim = client.submit(spec)
+    reference = client.submit(spec)
+    rd = Path(client.get(victim["id"])["run_dir"])
+    wait_for(lambda: (rd / "metrics.jsonl").exists() and '"step":3,' in (rd / "metrics.jsonl").read_text(), timeout=180)
+    client.cancel(victim["id"])
+    cancelled = client.wait(victim["id"], timeout=60)
+    assert cancelled["status"] == "CANCELLED"
+    stopped = events(cancelled, "runner.stopped")
+    assert stopped, "the runner did not stop cleanly on SIGTERM:\n" + log(cancelled)[-2000:]
+    at = stopped[0]["step"]
+    assert at < 16 and events(cancelled, "runner.checkpoint")[-1]["step"] == at
+
+    client.retry(victim["id"])
+    resumed = client.wait(victim["id"], timeout=240)
+    ref = client.wait(reference["id"], timeout=240)
+    assert resumed["status"] == ref["status"] == "SUCCEEDED", log(resumed)[-2000:]
+    assert events(resumed, "runner.resumed")[-1]["step"] == at
+    want = {s: v[0] for s, v in _losses_by_step(ref).items()}
+    got = _losses_by_step(resumed)
+    assert sorted(got) == list(range(1, 17))
+    assert all(v == want[s] for s, vs in got.items() for v in vs)
