@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec"]
 
-FAMILIES = ("flux", "qwen-image", "wan")
-Family = Literal["flux", "qwen-image", "wan"]
+FAMILIES = ("flux", "qwen-image", "wan", "sd3")
+Family = Literal["flux", "qwen-image", "wan", "sd3"]
 
 
 class _Strict(BaseModel):
@@ -30,7 +30,7 @@ def _names(value: object) -> object:
 
 class ModelSpec(_Strict):
     path: Optional[str] = Field(None, description="A diffusers model folder (model_index.json, transformer/, vae/, ...).")
-    family: Optional[Family] = Field(None, description="flux, qwen-image or wan; read from model_index.json when unset.")
+    family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
 

@@ -1,8 +1,8 @@
-"""Build tiny random diffusers pipelines for Flux, Qwen-Image and Wan 2.1, offline, plus a dataset.
+"""Build tiny random diffusers pipelines for Flux, Qwen-Image, Wan 2.1 and SD3, offline, plus a dataset.
 
-    python scripts/make_tiny_pipelines.py DIR [--families flux,qwen-image,wan] [--force]
+    python scripts/make_tiny_pipelines.py DIR [--families flux,qwen-image,wan,sd3] [--force]
 
-DIR/flux, DIR/qwen-image and DIR/wan are diffusers folders (model_index.json, transformer, VAE,
+DIR/flux, DIR/qwen-image, DIR/wan and DIR/sd3 are diffusers folders (model_index.json, transformer, VAE,
 text encoders, tokenizers made from scratch, scheduler) that `FluxPipeline.from_pretrained` and
 friends load with nothing downloaded. DIR/data/images is a folder of small images with a
 metadata.jsonl, DIR/data/clips a folder of short clips (one sub-folder of frames each, captions in
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-FAMILIES = ("flux", "qwen-image", "wan")
+FAMILIES = ("flux", "qwen-image", "wan", "sd3")
 
 # The Qwen-Image pipeline drops the first 34 tokens of its chat template (the real tokenizer
 # spells the system prompt in exactly 34): the tiny tokenizer must do the same.
@@ -200,7 +200,36 @@ def build_wan(out: Path, *, dims: dict[str, Any] | None = None) -> None:
     pipe.save_pretrained(out)
 
 
-BUILDERS: dict[str, Callable[..., None]] = {"flux": build_flux, "qwen-image": build_qwen_image, "wan": build_wan}
+def build_sd3(out: Path, *, dims: dict[str, Any] | None = None) -> None:
+    import torch
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(3)
+    tok_1, tok_2, tok_3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
+
+    def clip(hidden: int) -> Any:  # two CLIPs: their penultimate states side by side make T5's width
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tok_1), hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            projection_dim=16, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok_3) + 10, d_model=32, d_ff=37, d_kv=8, num_layers=2, num_heads=4,
+                                 decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=32, sample_size=32, shift_factor=0.06, scaling_factor=1.5)
+    kw = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+              joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
+              pos_embed_max_size=32)
+    kw.update(dims or {})
+    pipe = StableDiffusion3Pipeline(transformer=SD3Transformer2DModel(**kw), scheduler=flow_scheduler(shift=3.0),
+                                    vae=vae, text_encoder=clip(16), tokenizer=tok_1, text_encoder_2=clip(16),
+                                    tokenizer_2=tok_2, text_encoder_3=t5, tokenizer_3=tok_3)
+    pipe.save_pretrained(out)
+
+
+BUILDERS: dict[str, Callable[..., None]] = {"flux": build_flux, "qwen-image": build_qwen_image, "wan": build_wan,
+                                            "sd3": build_sd3}
 
 
 # ---------------------------------------------------------------- data

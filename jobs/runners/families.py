@@ -1,4 +1,4 @@
-"""One small adapter per model family: Flux, Qwen-Image and Wan 2.1.
+"""One small adapter per model family: Flux, Qwen-Image, Wan 2.1 and SD3.
 
 An adapter knows what differs between families and nothing else:
 - which diffusers classes make up the model folder (so a folder of another family is refused)
@@ -232,6 +232,47 @@ class QwenImageAdapter(FamilyAdapter):
         return _unpack(latents, lat_h, lat_w)
 
 
+class SD3Adapter(FamilyAdapter):
+    name = "sd3"
+    pipeline_class, transformer_class = FAMILY_CLASSES[name]
+    # diffusers' train_dreambooth_lora_sd3.py targets: the joint attention of both streams
+    default_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    default_max_sequence_length = 256
+    default_guidance = 7.0
+    uses_negative = True
+
+    def bucket_multiple(self, vae: Any) -> int:
+        return self.spatial_factor(vae) * 2  # SD3's 2x2 patch embedding
+
+    def encode_text(self, pipe: Any, caption: str, device: torch.device, max_len: int) -> dict[str, torch.Tensor]:
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=[caption], prompt_2=None, prompt_3=None, device=device,
+                                                  do_classifier_free_guidance=False, max_sequence_length=max_len)
+        return {"prompt_embeds": embeds[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    def encode_pixels(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+        lat = vae.encode(self.pixels_to_vae(pixels)).latent_dist.mode()
+        return ((lat - vae.config.shift_factor) * vae.config.scaling_factor)[0]
+
+    def decode_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+
+    def model_inputs(self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, Any],
+                     guidance: float) -> dict[str, Any]:
+        return dict(hidden_states=noisy, timestep=(sigmas * 1000.0).to(noisy.dtype),
+                    encoder_hidden_states=text["prompt_embeds"], pooled_projections=text["pooled_prompt_embeds"],
+                    return_dict=False)
+
+    def pipeline_kwargs(self, text: dict[str, Any], negative: dict[str, Any] | None, guidance: float,
+                        num_frames: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {"prompt_embeds": text["prompt_embeds"],
+                              "pooled_prompt_embeds": text["pooled_prompt_embeds"], "guidance_scale": guidance}
+        if guidance > 1.0:
+            neg = negative or {k: torch.zeros_like(v) for k, v in text.items()}
+            kw.update(negative_prompt_embeds=neg["prompt_embeds"],
+                      negative_pooled_prompt_embeds=neg["pooled_prompt_embeds"])
+        return kw
+
+
 # diffusers module names of a Wan block -> the native names (Wan's own code, ComfyUI, musubi-tuner)
 _WAN_BLOCK = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
               "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
@@ -316,7 +357,7 @@ class WanAdapter(FamilyAdapter):
 
 
 
-ADAPTERS: dict[str, FamilyAdapter] = {a.name: a for a in (FluxAdapter(), QwenImageAdapter(), WanAdapter())}
+ADAPTERS: dict[str, FamilyAdapter] = {a.name: a for a in (FluxAdapter(), QwenImageAdapter(), WanAdapter(), SD3Adapter())}
 
 
 def get_adapter(name: str) -> FamilyAdapter:

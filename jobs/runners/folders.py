@@ -16,7 +16,8 @@ __all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_f
 # family -> (pipeline class, transformer class): the names model_index.json and config.json use
 FAMILY_CLASSES = {"flux": ("FluxPipeline", "FluxTransformer2DModel"),
                   "qwen-image": ("QwenImagePipeline", "QwenImageTransformer2DModel"),
-                  "wan": ("WanPipeline", "WanTransformer3DModel")}
+                  "wan": ("WanPipeline", "WanTransformer3DModel"),
+                  "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel")}
 _BY_PIPELINE = {p: f for f, (p, _) in FAMILY_CLASSES.items()}
 _BY_TRANSFORMER = {t: f for f, (_, t) in FAMILY_CLASSES.items()}
 
@@ -92,6 +93,4 @@ def lora_family(path: str | Path) -> str | None:
         return "wan"
     if any(".img_mlp." in k or ".txt_mlp." in k or ".img_mod." in k for k in body):
         return "qwen-image"
-    if any(k.startswith("transformer_blocks.") and ".ff_context." in k for k in body):
-        return "flux"  # a Flux LoRA of the double blocks only
-    return None
+    return None  # e.g. double blocks only: Flux and SD3 name them alike

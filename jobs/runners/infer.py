@@ -102,7 +102,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     max_len = i.max_sequence_length or family.default_max_sequence_length
     wanted = [p.prompt for p in prompts] + ([p.negative for p in prompts] if family.uses_negative else [])
     texts = encode_texts(pipe, family, cache, wanted, max_len, device, cap)
-    for name in ("text_encoder", "text_encoder_2"):
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
     del pipe

@@ -139,7 +139,7 @@ def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: tor
     pipe_cls, _ = family.classes()
     skip: dict[str, Any] = {"transformer": None}
     if not text:
-        for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
             skip[name] = None
     if not vae:
         skip["vae"] = None
@@ -148,7 +148,7 @@ def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: tor
     index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
     skip = {k: v for k, v in skip.items() if k in index}
     pipe = pipe_cls.from_pretrained(str(model_dir), dtype=dtype, **skip)
-    for name in ("text_encoder", "text_encoder_2", "vae"):
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         m = getattr(pipe, name, None)
         if isinstance(m, torch.nn.Module):
             m.requires_grad_(False).eval()

@@ -18,7 +18,7 @@ from jobs.runners.load import component_offload
 
 __all__ = ["make_cache", "encode_texts", "encode_items", "TEXT_PARTS", "frames_for"]
 
-TEXT_PARTS = ["text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"]
+TEXT_PARTS = ["text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"]
 
 
 def make_cache(root: Path, model_dir: Path, family: FamilyAdapter, dtype: torch.dtype) -> EmbeddingCache:
@@ -28,7 +28,7 @@ def make_cache(root: Path, model_dir: Path, family: FamilyAdapter, dtype: torch.
 
 
 def _encoders(pipe: Any) -> list[torch.nn.Module]:
-    return [m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None))
+    return [m for m in (getattr(pipe, n, None) for n in TEXT_PARTS if n.startswith("text_encoder"))
             if isinstance(m, torch.nn.Module)]
 
 

@@ -155,7 +155,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     counts = cache.counts.as_dict()
     emit_event(run_dir, "cache", **counts, items=len(items), dir=str(cache.root))
     metrics.write({"phase": "precompute", "seconds": round(time.perf_counter() - t0, 3), **counts})
-    for name in ("text_encoder", "text_encoder_2"):
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
     keep_vae = bool(prompts)  # samples on schedule or on `signal JOB sample`

@@ -153,12 +153,12 @@ def test_retry_policy_and_manual_retry(client: JobsClient) -> None:
         client.retry(job["id"])  # SUCCEEDED jobs are not retried
 
 
-def test_train_infer_stubs_and_a_bad_shard_fail_as_setup_failed(client: JobsClient, tmp_path) -> None:
+def test_train_infer_without_a_model_and_a_bad_shard_fail_as_setup_failed(client: JobsClient, tmp_path) -> None:
     train = client.submit({"kind": "train", "model": {"path": "/models/x"}, "retry": {"max_attempts": 1}})
     infer = client.submit({"kind": "infer", "model": {"path": "/models/x"}, "retry": {"max_attempts": 1}})
     t, i = client.wait(train["id"], timeout=60), client.wait(infer["id"], timeout=60)
-    assert (t["status"], t["reason"]) == ("FAILED", "setup_failed") and "next jobs issue" in t["message"]
-    assert (i["status"], i["reason"]) == ("FAILED", "setup_failed")
+    assert (t["status"], t["reason"]) == ("FAILED", "setup_failed") and "/models/x is not a folder" in t["message"]
+    assert (i["status"], i["reason"]) == ("FAILED", "setup_failed") and "/models/x is not a folder" in i["message"]
     # A checkpoint that is not there is the user's to fix: setup_failed, naming it.
     missing = tmp_path / "no-such-checkpoint"
     shard = client.submit({"kind": "shard", "shard": {"src": str(missing), "dst": str(tmp_path / "out")},

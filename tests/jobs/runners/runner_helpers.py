@@ -10,7 +10,7 @@ from typing import Any
 
 from jobs.client import JobsClient
 
-FAMILY_DATA = {"flux": "images", "qwen-image": "images", "wan": "clips"}
+FAMILY_DATA = {"flux": "images", "qwen-image": "images", "wan": "clips", "sd3": "images"}
 # Tiny matrices: one thread each beats two threads fighting over two shared cores (10x on a busy box).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 

@@ -50,8 +50,14 @@ GOLDEN = {
         "diffusion_model.blocks.1.ffn.0.lora_A.weight",
         "diffusion_model.blocks.1.ffn.2.lora_B.weight",
     },
+    "sd3": {  # diffusers' SD3 LoRA names, which ComfyUI maps as `transformer.<diffusers key>`
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
+        "transformer.transformer_blocks.0.attn.to_add_out.lora_B.weight",
+        "transformer.transformer_blocks.1.attn.add_v_proj.lora_A.weight",
+    },
 }
-KEY_COUNT = {"flux": 64, "qwen-image": 48, "wan": 40}  # the default targets of the 2+2 / 2 / 2 tiny blocks
+# the default targets of the tiny blocks (2+2 / 2 / 2 / 2; SD3's last block has no to_add_out)
+KEY_COUNT = {"flux": 64, "qwen-image": 48, "wan": 40, "sd3": 30}
 
 
 def _adapted_transformer(tiny: dict[str, Path], family: str, rank: int = 4, alpha: float = 8.0) -> torch.nn.Module:
@@ -67,7 +73,7 @@ def _adapted_transformer(tiny: dict[str, Path], family: str, rank: int = 4, alph
     return model
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan", "sd3"])
 def test_lora_keys_follow_each_ecosystem(tiny: dict[str, Path], family: str, tmp_path: Path) -> None:
     model = _adapted_transformer(tiny, family)
     path = tmp_path / "lora.safetensors"
@@ -106,7 +112,8 @@ def test_wan_names_round_trip() -> None:
 
 
 def test_detect_family(tiny: dict[str, Path], tmp_path: Path) -> None:
-    assert [detect_family(tiny[f]) for f in ("flux", "qwen-image", "wan")] == ["flux", "qwen-image", "wan"]
+    names = ["flux", "qwen-image", "wan", "sd3"]
+    assert [detect_family(tiny[f]) for f in names] == names
     with pytest.raises(FamilyError, match="spec says wan, but .* is a flux model"):
         detect_family(tiny["flux"], "wan")
     with pytest.raises(FamilyError, match="no model_index.json"):

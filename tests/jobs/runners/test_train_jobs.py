@@ -1,4 +1,4 @@
-"""Train and infer jobs through a real worker, for Flux, Qwen-Image and Wan, on the tiny pipelines.
+"""Train and infer jobs through a real worker, for Flux, Qwen-Image, Wan and SD3, on the tiny pipelines.
 
 Each family: the train job SUCCEEDS and its loss falls; every step's metrics line is strict JSON
 with the engine's stats; the LoRA file loads with diffusers' `load_lora_weights`, changes the
@@ -24,7 +24,7 @@ STEP_FIELDS = {"step", "loss", "lr", "it_s", "eta_seconds", "host_rss_bytes", "v
                "vram_reserved_bytes", "vram_peak_bytes", "pinned_used_bytes", "pinned_capacity_bytes", "cache_hits",
                "cache_misses", "h2d_bytes", "h2d_gbps", "stall_ms"}
 PIPE_KW = {"flux": {"max_sequence_length": 16, "guidance_scale": 3.5}, "qwen-image": {"max_sequence_length": 32},
-           "wan": {"num_frames": 5, "max_sequence_length": 32}}
+           "wan": {"num_frames": 5, "max_sequence_length": 32}, "sd3": {"max_sequence_length": 16}}
 
 
 def _pipeline_output(pipe, family: str) -> torch.Tensor:
@@ -42,11 +42,11 @@ def _transformer_inputs(family: str, model) -> dict:
     else:
         x0 = torch.randn(1, 4, 8, 8, generator=g)
         text = ({"prompt_embeds": torch.randn(1, 7, 32, generator=g), "pooled_prompt_embeds": torch.randn(1, 32, generator=g)}
-                if family == "flux" else {"prompt_embeds": torch.randn(1, 7, 16, generator=g)})
+                if family in ("flux", "sd3") else {"prompt_embeds": torch.randn(1, 7, 16, generator=g)})
     return adapter.model_inputs(model, x0, torch.tensor([0.6]), text, 3.5)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan", "sd3"])
 def test_train_then_infer(client, tiny: dict[str, Path], family: str) -> None:
     spec = train_spec(tiny, family, lora_rank=4, lora_alpha=8, sample_every=30,
                       sample_prompts=["a red square on a blue background --steps 3 --seed 1 --n blurry"])
@@ -77,7 +77,7 @@ def test_train_then_infer(client, tiny: dict[str, Path], family: str) -> None:
     lora = rd / "outputs" / "lora.safetensors"
     with safe_open(str(lora), framework="pt") as f:
         keys, meta = list(f.keys()), f.metadata()
-    prefix = "transformer." if family == "flux" else "diffusion_model."
+    prefix = "transformer." if family in ("flux", "sd3") else "diffusion_model."
     assert keys and all(k.startswith(prefix) for k in keys) and not any(".alpha" in k for k in keys)
     assert (meta["lora_rank"], meta["lora_alpha"], meta["offload_jobs.family"]) == ("4", "8.0", family)
 
