@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
-__all__ = ["NonFiniteLoss", "classify_exception"]
+__all__ = ["NonFiniteLoss", "classify_exception", "reporting_failures"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -34,3 +35,17 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     if isinstance(exc, MemoryError):
         return "host_oom", f"out of host memory: {exc}", 1
     return None
+
+
+def reporting_failures(work: Callable[[], None]) -> None:
+    """Run `work`; a failure `classify_exception` knows becomes the exit report and one line, not a traceback."""
+    from jobs.runners._entry import fail
+
+    try:
+        work()
+    except Exception as exc:
+        known = classify_exception(exc)
+        if known is None:
+            raise
+        reason, message, code = known
+        fail(reason, message, code=code)
