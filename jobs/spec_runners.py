@@ -44,7 +44,7 @@ class TrainSpec(_Strict):
     repeats: int = Field(1, ge=1, description="Times each item appears per epoch.")
     max_pixels: int = Field(1024 * 1024, ge=64, description="Largest bucket area (width x height) in pixels.")
     num_frames: int = Field(1, ge=1, description="Wan: frames taken from each clip (4k+1 for the real VAE).")
-    steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; default 1000 unless num_epochs is set.")
+    steps: int = Field(1000, ge=1, description="Optimizer steps (unless num_epochs is set).")
     num_epochs: Optional[int] = Field(None, ge=1, description="Passes over the dataset (instead of steps).")
     batch_size: int = Field(1, ge=1, description="Items per micro-batch, all from one aspect bucket.")
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -84,7 +84,7 @@ class TrainSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":
-        if self.steps is not None and self.num_epochs is not None:
+        if "steps" in self.model_fields_set and self.num_epochs is not None:
             raise ValueError("set `steps` or `num_epochs`, not both")
         return self
 

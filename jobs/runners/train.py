@@ -216,7 +216,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
 
     per_epoch = len(epoch_order(items, t.repeats, t.batch_size, t.seed, 0))
     steps_per_epoch = max(1, per_epoch // t.gradient_accumulation_steps)
-    total = t.steps if t.steps is not None else (t.num_epochs or 0) * steps_per_epoch if t.num_epochs else 1000
+    total = t.num_epochs * steps_per_epoch if t.num_epochs is not None else t.steps
     scheduler_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_scheduler, t.lr_warmup_steps, total))
     gen = torch.Generator("cpu").manual_seed(t.seed)
     state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "order": epoch_order(items, t.repeats, t.batch_size,
