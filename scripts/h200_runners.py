@@ -39,6 +39,18 @@ BUDGETS = {"flux": "7GiB", "qwen-image": "22GiB", "wan": "22GiB"}  # the engine'
 TARGETS = {"flux": "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"}
 
 
+def _clip_size(side: int) -> tuple[int, int]:
+    """Wan's clips: 832x480 at --size 1024 (its 480p shape), sides multiples of 16."""
+    return side * 13 // 16 // 16 * 16, side * 15 // 32 // 16 * 16
+
+
+def _max_pixels(family: str, side: int) -> int:
+    if family == "wan":  # the clips' own size is a bucket: no upscaling
+        w, h = _clip_size(side)
+        return w * h
+    return side * side
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +65,7 @@ def _dataset(family: str, root: Path, size: int, frames: int) -> Path:
         return data
     if family == "wan":
         data.mkdir(parents=True)
-        w, h = size * 13 // 16 // 16 * 16, size // 2 // 16 * 16  # 832x480 at --size 1024
+        w, h = _clip_size(size)
         for i in range(2):
             clip = data / f"clip_{i:02d}"
             clip.mkdir()
@@ -153,12 +165,17 @@ def _infer_report(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[str, Any]:
-    import make_big_pipeline as big
-
     root = args.out
     model = root / f"model-{family}"
     t0 = time.time()
-    nbytes = big.build(family, model, args.blocks, args.single_blocks)
+    # in a child, so that this process holds none of the model's memory while the jobs run
+    cmd = [sys.executable, str(REPO / "scripts" / "make_big_pipeline.py"), family, str(model)]
+    if args.blocks is not None:
+        cmd += ["--blocks", str(args.blocks)]
+    if args.single_blocks is not None:
+        cmd += ["--single-blocks", str(args.single_blocks)]
+    subprocess.run(cmd, check=True, cwd=REPO)
+    nbytes = sum(f.stat().st_size for f in (model / "transformer").glob("*.safetensors"))
     build_s = time.time() - t0
     print(f"{family}: built {nbytes / 1e9:.1f} GB of transformer weights in {build_s:.0f}s", flush=True)
     frames = 17 if args.size >= 512 else 5
@@ -168,12 +185,13 @@ def run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[st
     offload: dict[str, Any] = {"offload_granularity": "block", "prefetch": 2, "target_device": args.device}
     if args.device == "cuda":
         offload["vram_budget"] = BUDGETS[family]
+    cw, ch = _clip_size(side)
     sample = f"a red square on a blue background --steps {args.sample_steps} --seed 1" + (
-        " --w 832 --h 480 --f 17" if family == "wan" and side >= 512 else "")
+        f" --w {cw} --h {ch} --f {frames}" if family == "wan" else "")
     train = {"kind": "train", "name": f"h200-{family}-train", "model": {"path": str(model), "dtype": "bfloat16"},
              "offload": offload, "env": env, "resources": {"gpus": 1 if args.device == "cuda" else 0},
              "train": {"dataset": str(data), "steps": args.steps, "learning_rate": 1e-4, "lora_rank": 32,
-                       "max_pixels": side * side, "num_frames": frames, "gradient_checkpointing": True,
+                       "max_pixels": _max_pixels(family, side), "num_frames": frames, "gradient_checkpointing": True,
                        "save_every": args.steps, "sample_every": args.steps, "sample_prompts": [sample],
                        "max_sequence_length": args.text_tokens}}
     if family in TARGETS:
@@ -184,7 +202,7 @@ def run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[st
         return {"family": family, "train": {"status": job["status"], "reason": job.get("reason"),
                                             "message": job.get("message"), "log_tail": tail}}
     report: dict[str, Any] = {"family": family, "build_s": build_s, "train_job": job["id"], "train": _train_report(job)}
-    w, h = (832, 480) if family == "wan" and side >= 512 else (side, side)
+    w, h = _clip_size(side) if family == "wan" else (side, side)
     infer = {"kind": "infer", "name": f"h200-{family}-infer", "model": {"path": str(model), "dtype": "bfloat16"},
              "offload": offload, "env": env, "resources": {"gpus": 1 if args.device == "cuda" else 0},
              "infer": {"prompt": "a red square on a blue background", "negative_prompt": "blurry",

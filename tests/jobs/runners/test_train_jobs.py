@@ -46,13 +46,27 @@ def _transformer_inputs(family: str, model) -> dict:
     return adapter.model_inputs(model, x0, torch.tensor([0.6]), text, 3.5)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan", "sd3"])
-def test_train_then_infer(client, tiny: dict[str, Path], family: str) -> None:
+FAMILIES = ["flux", "qwen-image", "wan", "sd3"]
+
+
+def _train_spec(tiny: dict[str, Path], family: str) -> dict:
     spec = train_spec(tiny, family, lora_rank=4, lora_alpha=8, sample_every=30,
                       sample_prompts=["a red square on a blue background --steps 3 --seed 1 --n blurry"])
     if family == "flux":
         spec["env"]["OFFLOAD_JOBS_HOST_MEMORY_WARN"] = "0.0"  # any use of RAM counts as "nearly full"
-    job = run_job(client, spec)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def train_jobs(worker, tiny: dict[str, Path]) -> dict[str, str]:
+    """The four families' train jobs, submitted together (the worker runs them side by side)."""
+    with worker.client() as c:
+        return {f: c.submit(_train_spec(tiny, f))["id"] for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_then_infer(client, tiny: dict[str, Path], train_jobs: dict[str, str], family: str) -> None:
+    job = client.wait(train_jobs[family], timeout=300)
     assert job["status"] == "SUCCEEDED", log(job)[-3000:]
 
     steps = step_records(job)
