@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import events, infer_spec, log, run_dir, run_job, step_records, train_spec
+from runner_helpers import events, infer_spec, log, run_dir, run_job, step_records, strict_lines, train_spec
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -86,6 +86,9 @@ def test_train_then_infer(client, tiny: dict[str, Path], train_jobs: dict[str, s
     if family == "flux":
         mem = events(job, "runner.host_memory")
         assert mem and "host memory nearly full" in mem[0]["message"]
+        load = next(r for r in strict_lines(rd / "metrics.jsonl") if r.get("phase") == "load")
+        assert load["weight_bytes"] > 0 and load["rss_peak_load_bytes"] >= load["rss_before_load"] > 0
+        assert load["rss_peak_load_ratio"] == load["rss_peak_load_bytes"] / load["weight_bytes"]
 
     # The LoRA file: the family's key names, loadable by diffusers, exactly the trained adapter.
     lora = rd / "outputs" / "lora.safetensors"
