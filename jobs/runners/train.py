@@ -29,6 +29,7 @@ from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                resolve_device, resolve_dtype)
+from jobs.runners.folders import LoraError
 from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, progress_bar
@@ -176,6 +177,10 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     def prepare(model: torch.nn.Module) -> None:
         torch.manual_seed(t.seed)  # the LoRA's initial A matrices
         adapted.extend(inject_lora(model, t.lora_rank, alpha, targets))
+        unnamed = [m for m in adapted if family.lora_key(m) is None]
+        if unnamed:  # found now, not when the LoRA file is written after the last step
+            raise LoraError(f"train.lora_target_modules: {unnamed[0]} has no {family.name} name outside diffusers "
+                            f"({len(unnamed)} such modules); target attention/MLP projections")
         if latest is not None:
             from safetensors.torch import load_file
 
