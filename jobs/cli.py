@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from jobs._cli import cancel, delete, init, logs, prune, ps, retry, schema, shard, show, submit, tui, validate, worker
+from jobs._cli import outputs, signal  # issue 15: train/infer runners
 from jobs._cli.lazy_coercion import defer_coercion
 from jobs._cli.output import error_line
 from jobs.errors import JobsError
@@ -95,6 +96,8 @@ app.command("retry", rich_help_panel=_RUN)(retry.retry)
 app.command("delete", rich_help_panel=_RUN)(delete.delete)
 app.command("prune", rich_help_panel=_RUN)(prune.prune)
 app.command("tui", rich_help_panel=_RUN)(tui.tui)
+app.command("signal", rich_help_panel=_RUN)(signal.signal)
+app.command("outputs", rich_help_panel=_RUN)(outputs.outputs)
 app.command("validate", rich_help_panel=_SPEC)(validate.validate)
 app.command("init", rich_help_panel=_SPEC)(init.init)
 app.command("schema", rich_help_panel=_SPEC)(schema.schema)

@@ -226,6 +226,12 @@ class JobsClient:
     def retry(self, job_id: str) -> dict[str, Any]:
         return self._request("POST", f"/v1/jobs/{job_id}/retry")
 
+    # ---- runner controls (issue 15) ------------------------------------------------------------
+    def signal(self, job_id: str, action: str) -> dict[str, Any]:
+        """Ask a running train job to `save` a checkpoint, render a `sample`, or `stop` after a checkpoint."""
+        return self._request("POST", f"/v1/jobs/{job_id}/signal", json={"action": action})
+    # ---- end of runner controls -------------------------------------------------------------------
+
     def logs(self, job_id: str, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
         """A chunk of output.log from byte `offset`: {offset, next_offset, data, eof, size, status}.
 

@@ -25,6 +25,7 @@ from jobs.spec_yaml import (
     with_origin, yaml_load,
 )
 from jobs.vocab import EXECUTORS, KINDS, REASONS
+from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
     "KINDS",
@@ -170,12 +171,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=False, allow_inf_nan=False)
 
 
-class ModelSpec(_Strict):
-    path: Optional[str] = Field(None, description="Diffusers folder, single-file checkpoint or shard dir.")
-    family: Optional[str] = Field(None, description="Model family (flux, sd3, wan, qwen-image); guessed when unset.")
-    dtype: Optional[str] = Field(None, description="Compute dtype: bfloat16, float16 or float32.")
-
-
 class OffloadSpec(_Strict):
     """The engine's config keys (offload_core.OffloadConfig); unset keys keep the engine's defaults."""
 
@@ -199,32 +194,6 @@ class OffloadSpec(_Strict):
     def engine_kwargs(self) -> dict[str, Any]:
         """The keys the user set, ready for `enable_offload(model, **kwargs)`."""
         return self.model_dump(exclude_none=True)
-
-
-class TrainSpec(_Strict):
-    dataset: Optional[str] = Field(None, description="Folder of images with captions.")
-    steps: int = Field(1000, ge=1, le=10**9)
-    lr: float = Field(1e-4, gt=0.0, le=1e3)
-    rank: int = Field(16, ge=1, le=65536, description="LoRA rank.")
-    lora_alpha: Optional[float] = Field(None, gt=0.0, le=1e6)
-    target_modules: Optional[list[str]] = None
-    batch_size: int = Field(1, ge=1, le=65536)
-    gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
-    gradient_checkpointing: bool = True
-    save_every: int = Field(250, ge=1, le=10**9)
-    seed: int = Field(0, ge=0, le=MAX_INT)
-    resolution: int = Field(1024, ge=8, le=65536)
-
-
-class InferSpec(_Strict):
-    prompt: str = ""
-    negative_prompt: Optional[str] = None
-    steps: int = Field(28, ge=1, le=100_000)
-    guidance: float = Field(3.5, ge=0.0, le=1e4)
-    height: int = Field(1024, ge=8, le=65536)
-    width: int = Field(1024, ge=8, le=65536)
-    seed: int = Field(0, ge=0, le=MAX_INT)
-    num_images: int = Field(1, ge=1, le=10_000)
 
 
 class ShardSpec(_Strict):

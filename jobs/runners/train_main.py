@@ -1,13 +1,30 @@
-"""`python -m jobs.runners.train_main RUN_DIR`: placeholder until the train runner lands."""
+"""`python -m jobs.runners.train_main RUN_DIR`: the train runner's entry point.
+
+Turns what a user can cause into the exit report the worker reads: bad data, a model folder of the
+wrong family or a bad engine key -> setup_failed; a non-finite loss -> nonfinite_loss (with the
+step); out of memory -> cuda_oom / host_oom. Bugs still raise with their traceback.
+"""
 
 from __future__ import annotations
 
-from jobs.runners._entry import fail, load_job
+from jobs.runners._entry import load_job
+from jobs.runners.errors import reporting_failures
 
 
 def main() -> None:
-    load_job()  # still validates the spec the worker wrote
-    fail("setup_failed", "the train runner lands in the next jobs issue; this build cannot run train jobs yet")
+    spec, run_dir = load_job()
+
+    def work() -> None:
+        from jobs.runners.inputs import check_train
+
+        checked = check_train(spec)  # bad input fails here, before torch is imported
+        from jobs.runners.train import train
+        from jobs.runners.telemetry import quiet_libraries
+
+        quiet_libraries()
+        train(spec, run_dir, checked)
+
+    reporting_failures(work)
 
 
 if __name__ == "__main__":

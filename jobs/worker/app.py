@@ -45,6 +45,7 @@ __all__ = ["create_app", "EventBus", "open_store"]
 log = logging.getLogger("offload_jobs.app")
 
 LOG_CHUNK = 1 << 20
+SIGNAL_ACTIONS = ("save", "sample", "stop")  # what jobs.runners.controls obeys
 KEEPALIVE_S = 15.0
 LIST_LIMIT_MAX = 100_000
 
@@ -303,6 +304,30 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         job = store.retry_job(job["id"], extra)
         sched.wake()
         return _json(job)
+
+    # ---- runner controls (issue 15): `offload-jobs signal JOB save|sample|stop` ---------------------
+    # The smallest seam: one JSON line appended to the run dir's control.jsonl, which the train
+    # runner reads between steps. The worker only checks that the job is running and the action known.
+    @app.post("/v1/jobs/{job_id}/signal")
+    async def signal_job(job_id: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        action = body.get("action") if isinstance(body, dict) else None
+        if action not in SIGNAL_ACTIONS:
+            raise SpecError("action", f"must be one of {', '.join(SIGNAL_ACTIONS)}, got {action!r}")
+        job = await asyncio.to_thread(store.get_job, job_id)
+        if job["kind"] != "train":
+            raise InvalidTransition(f"job {job['id']} is a {job['kind']} job; only train jobs take signals")
+        if job["status"] != "RUNNING":
+            raise InvalidTransition(f"job {job['id']} is {job['status']}; signals reach running jobs only")
+        rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
+        record = {"ts": time.time(), "action": action, "attempt": job.get("attempt")}
+        with open(rd.path / "control.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        return _json({"id": job["id"], "action": action, "status": job["status"], "attempt": job.get("attempt")}, 202)
+    # ---- end of runner controls ---------------------------------------------------------------------
 
     @app.get("/v1/jobs/{job_id}/logs")
     def logs(job_id: str, offset: int = 0, limit: int | None = None) -> Response:

@@ -56,11 +56,11 @@ BAD_VALUES: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("executor", words.filter(lambda s: s not in ("process", "docker"))),
     ("kind", words.filter(lambda s: s not in ("train", "infer", "shard", "command"))),
     ("train.steps", st.one_of(st.integers(max_value=0), words)),
-    ("train.lr", st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), words)),
-    ("train.rank", st.integers(max_value=0)),
+    ("train.learning_rate", st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), words)),
+    ("train.lora_rank", st.integers(max_value=0)),
     ("train.batch_size", st.integers(max_value=0)),
     ("train.gradient_accumulation_steps", st.integers(max_value=0)),
-    ("train.resolution", st.integers(max_value=7)),
+    ("train.max_pixels", st.integers(max_value=63)),
     ("infer.steps", st.integers(max_value=0)),
     ("infer.guidance", st.floats(max_value=-0.001, allow_nan=False, allow_infinity=False)),
     ("infer.height", st.integers(max_value=7)),
@@ -163,7 +163,7 @@ def test_200_bad_specs_exit_2_and_name_the_field(case: tuple[dict[str, Any], str
 
 # A handful through the real console script: the same guarantees outside the test runner.
 SCRIPT_CASES = [
-    ("train:\n  lr: -1\nkind: train\nmodel: {path: /m}\n", [], "train.lr"),
+    ("train:\n  learning_rate: -1\nkind: train\nmodel: {path: /m}\n", [], "train.learning_rate"),
     ("kind: command\ncommand: echo\nlimits: {max_duration: forever}\n", [], "limits.max_duration"),
     ("kind: command\ncommand: echo\noffload: {prefetch: 2, warp: 9}\n", [], "offload.warp"),
     ("kind: shard\nshard: {src: /in}\n", [], "shard.dst"),

@@ -62,11 +62,11 @@ def test_env_values_become_strings() -> None:
 
 def test_yaml_errors_name_the_line_and_field(tmp_path: Path) -> None:
     f = tmp_path / "job.yaml"
-    f.write_text("kind: train\nmodel:\n  path: /m\ntrain:\n  steps: 10\n  lr: -1\n")
+    f.write_text("kind: train\nmodel:\n  path: /m\ntrain:\n  steps: 10\n  learning_rate: -1\n")
     with pytest.raises(SpecError) as e:
         load_spec(f)
-    assert (e.value.field, e.value.line, e.value.file) == ("train.lr", 6, str(f))
-    assert str(e.value).startswith(f"{f}:6: train.lr:")
+    assert (e.value.field, e.value.line, e.value.file) == ("train.learning_rate", 6, str(f))
+    assert str(e.value).startswith(f"{f}:6: train.learning_rate:")
 
     f.write_text("kind: command\ncommand: x\noffload:\n  offload_granularty: block\n")
     with pytest.raises(SpecError) as e:
@@ -89,12 +89,12 @@ def test_retry_on_key_is_not_a_yaml_boolean() -> None:
 
 
 def test_overrides(tmp_path: Path) -> None:
-    data = {"kind": "train", "model": {"path": "/m"}, "train": {"lr": 1e-4}}
-    out = apply_overrides(data, ["train.lr=5e-5", "offload.vram_budget=7.5GiB", "train.gradient_checkpointing=false",
+    data = {"kind": "train", "model": {"path": "/m"}, "train": {"learning_rate": 1e-4}}
+    out = apply_overrides(data, ["train.learning_rate=5e-5", "offload.vram_budget=7.5GiB", "train.gradient_checkpointing=false",
                                  "name=my run", "env.X=on", "outputs=[a, b]"])
-    assert data["train"] == {"lr": 1e-4}  # the input is not modified
+    assert data["train"] == {"learning_rate": 1e-4}  # the input is not modified
     s = parse_spec(out)
-    assert s.train.lr == 5e-5 and s.offload.vram_budget == int(7.5 * 2**30) and s.train.gradient_checkpointing is False
+    assert s.train.learning_rate == 5e-5 and s.offload.vram_budget == int(7.5 * 2**30) and s.train.gradient_checkpointing is False
     assert s.name == "my run" and s.env == {"X": "on"} and s.outputs == ["a", "b"]
     f = tmp_path / "t.yaml"
     f.write_text("kind: train\nmodel: {path: /m}\n")
@@ -156,7 +156,7 @@ _BAD: dict[str, st.SearchStrategy] = {
     "name": st.integers() | st.text(min_size=201, max_size=240),
     "priority": st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f)) | st.just("high"),
     "executor": st.sampled_from(["kubernetes", "proc", "", "Docker"]),
-    "train.lr": st.floats(max_value=0, allow_nan=False) | st.just("fast"),
+    "train.learning_rate": st.floats(max_value=0, allow_nan=False) | st.just("fast"),
     "train.steps": st.integers(max_value=0),
     "train.gradient_checkpointing": st.sampled_from(["maybe", [1], {"a": 1}]),
     "infer.height": st.integers(max_value=7),

@@ -1,0 +1,143 @@
+"""`offload-jobs outputs JOB`: list (or copy) what a job wrote to its outputs/ folder.
+
+Also `run_state(job)`, the train/infer summary `show` prints: the last samples and the checkpoints.
+Both read the run dir from this machine's disk (a local worker, or a docker worker's state volume
+mounted at the same path).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from jobs._cli.output import CliError, console, fmt_duration, print_json
+
+__all__ = ["outputs", "run_state", "list_outputs"]
+
+
+def _run_dir(job: dict[str, Any]) -> Path:
+    rd = job.get("run_dir")
+    if not rd:
+        raise CliError(f"job {job.get('id')} has no run dir yet")
+    path = Path(rd)
+    if not path.is_dir():
+        raise CliError(f"job {job.get('id')}: its run dir {path} is not on this machine "
+                       "(run this where the worker runs, or mount its state dir at the same path)")
+    return path
+
+
+def list_outputs(run_dir: Path) -> list[dict[str, Any]]:
+    root = run_dir / "outputs"
+    if not root.is_dir():
+        return []
+    out = []
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and not f.name.startswith("."):
+            st = f.stat()
+            out.append({"path": f.relative_to(root).as_posix(), "bytes": st.st_size, "modified": st.st_mtime,
+                        "abs_path": str(f)})
+    return out
+
+
+def _checkpoints(run_dir: Path) -> dict[str, Any]:
+    root = run_dir / "checkpoints"
+    complete, partial = [], 0
+    if root.is_dir():
+        for p in sorted(root.glob("step-*"), reverse=True):
+            if (p / "COMPLETE.json").is_file():
+                complete.append({"step": int(p.name.split("-")[1]), "path": str(p)})
+            else:
+                partial += 1
+        partial += len(list(root.glob(".step-*.tmp-*")))
+    return {"complete": complete, "latest_step": complete[0]["step"] if complete else None, "incomplete": partial}
+
+
+def _last_event(run_dir: Path, type: str) -> dict[str, Any] | None:
+    path = run_dir / "events.jsonl"
+    last = None
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == type:
+            last = rec
+    return last
+
+
+def run_state(job: dict[str, Any]) -> dict[str, Any] | None:
+    """For train/infer jobs: the LoRA, the last samples and the checkpoints; None when not readable here."""
+    if job.get("kind") not in ("train", "infer") or not job.get("run_dir") or not Path(job["run_dir"]).is_dir():
+        return None
+    run_dir = Path(job["run_dir"])
+    samples = _last_event(run_dir, "runner.samples")
+    files = list_outputs(run_dir)
+    state: dict[str, Any] = {
+        "outputs": len(files),
+        "lora": next((f["abs_path"] for f in files if f["path"].endswith(".safetensors")), None),
+        "last_samples": {"step": samples.get("step"), "paths": samples.get("paths", [])} if samples else None,
+    }
+    if job.get("kind") == "train":
+        state["checkpoints"] = _checkpoints(run_dir)
+    return state
+
+
+def outputs(
+    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
+    copy: Annotated[Optional[Path], typer.Option("--copy", help="Copy the outputs into this folder (created).",
+                                                 show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the files as JSON.")] = False,
+) -> None:
+    """List the files a job wrote to its outputs/ folder (LoRA, samples, images), or copy them."""
+    from jobs._cli.connect import connect, resolve_job
+
+    data = resolve_job(connect(), job)
+    run_dir = _run_dir(data)
+    files = list_outputs(run_dir)
+    copied: list[str] = []
+    if copy is not None:
+        dest = copy.expanduser()
+        if dest.exists() and not dest.is_dir():
+            raise CliError(f"--copy: {dest} exists and is not a folder")
+        for f in files:
+            target = dest / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f["abs_path"], target)
+            copied.append(str(target))
+    if json_out:
+        print_json({"id": data["id"], "outputs_dir": str(run_dir / "outputs"), "files": files,
+                    **({"copied_to": str(copy.expanduser()), "copied": len(copied)} if copy is not None else {})})
+        return
+    if not files:
+        typer.echo(f"{data['id']}: no outputs yet ({run_dir / 'outputs'})")
+        return
+    if copy is not None:
+        typer.echo(f"copied {len(copied)} files to {copy.expanduser()}")
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("FILE", "SIZE", "MODIFIED"):
+        table.add_column(col, justify="right" if col == "SIZE" else "left", no_wrap=True)
+    for f in files:
+        table.add_row(escape(f["path"]), _size(f["bytes"]), fmt_duration(max(0.0, time.time() - f["modified"])) + " ago")
+    console().print(table)
+    typer.echo(f"in {run_dir / 'outputs'}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

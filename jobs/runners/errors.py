@@ -1,0 +1,51 @@
+"""Which runner failures are the user's to fix, and the reason each one reports to the worker."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+__all__ = ["NonFiniteLoss", "classify_exception", "reporting_failures"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite: the job stops with reason nonfinite_loss and the step."""
+
+    def __init__(self, step: int, value: float) -> None:
+        self.step, self.value = step, value
+        super().__init__(f"the loss is {value} at step {step}; lower train.learning_rate or check the data")
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
+    """(reason, one-line message, exit code) for a failure a user can cause or must see; None for a bug."""
+    from jobs.runners.data import DatasetError
+    from jobs.runners.folders import FamilyError, LoraError, SetupError
+    from jobs.runners.prompts import PromptError
+
+    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError)):
+        return "setup_failed", str(exc), 2
+    if isinstance(exc, NonFiniteLoss):
+        return "nonfinite_loss", str(exc), 1
+    core = sys.modules.get("offload_core.errors")  # loaded only if the engine was
+    if core is not None and isinstance(exc, core.OffloadError):
+        return "setup_failed", f"offload: {exc}", 2
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "cuda_oom", f"out of GPU memory: {str(exc).splitlines()[0]}", 1
+    if isinstance(exc, MemoryError):
+        return "host_oom", f"out of host memory: {exc}", 1
+    return None
+
+
+def reporting_failures(work: Callable[[], None]) -> None:
+    """Run `work`; a failure `classify_exception` knows becomes the exit report and one line, not a traceback."""
+    from jobs.runners._entry import fail
+
+    try:
+        work()
+    except Exception as exc:
+        known = classify_exception(exc)
+        if known is None:
+            raise
+        reason, message, code = known
+        fail(reason, message, code=code)

@@ -1,0 +1,96 @@
+"""What a job's folders and files are, read without torch (so bad input fails in a second).
+
+- `detect_family`: the family of a diffusers folder, from model_index.json or transformer/config.json
+- `read_lora_header` / `lora_family`: a LoRA's metadata and key names from its safetensors header,
+  and the family it was made for (our header, else guessed from its key names)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+__all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_family", "read_lora_header", "lora_family"]
+
+# family -> (pipeline class, transformer class): the names model_index.json and config.json use
+FAMILY_CLASSES = {"flux": ("FluxPipeline", "FluxTransformer2DModel"),
+                  "qwen-image": ("QwenImagePipeline", "QwenImageTransformer2DModel"),
+                  "wan": ("WanPipeline", "WanTransformer3DModel"),
+                  "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel")}
+_BY_PIPELINE = {p: f for f, (p, _) in FAMILY_CLASSES.items()}
+_BY_TRANSFORMER = {t: f for f, (_, t) in FAMILY_CLASSES.items()}
+
+
+class FamilyError(ValueError):
+    """A model folder that is not a diffusers folder of the family asked for."""
+
+
+class SetupError(ValueError):
+    """Other bad input found before the work starts (fails the job with reason setup_failed)."""
+
+
+class LoraError(ValueError):
+    """A LoRA that cannot be made or used: no module matched, a file of another family, unreadable."""
+
+
+def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
+    """The family of a diffusers folder, from model_index.json (or transformer/config.json).
+
+    Raises FamilyError naming the folder when it is not a diffusers folder, is of a family we do
+    not train, or is of another family than `expected`.
+    """
+    root = Path(model_dir).expanduser()
+    if not root.is_dir():
+        raise FamilyError(f"model.path: {root} is not a folder (a diffusers model folder is expected)")
+    found: str | None = None
+    index = root / "model_index.json"
+    tconf = root / "transformer" / "config.json"
+    try:
+        if index.is_file():
+            cls = json.loads(index.read_text(encoding="utf-8")).get("_class_name", "")
+            found = _BY_PIPELINE.get(cls)
+            what = f"a {cls or 'unnamed'} folder"
+        elif tconf.is_file():
+            cls = json.loads(tconf.read_text(encoding="utf-8")).get("_class_name", "")
+            found = _BY_TRANSFORMER.get(cls)
+            what = f"a folder whose transformer is a {cls or 'unnamed'}"
+        else:
+            raise FamilyError(f"model.path: {root} has no model_index.json (a diffusers model folder is expected)")
+    except (OSError, ValueError) as exc:
+        raise FamilyError(f"model.path: cannot read {index if index.exists() else tconf}: {exc}") from None
+    if found is None:
+        raise FamilyError(f"model.path: {root} is {what}; supported families: {', '.join(FAMILY_CLASSES)}")
+    if expected is not None and expected != found:
+        raise FamilyError(f"model.family: the spec says {expected}, but {root} is a {found} model ({what})")
+    return found
+
+
+def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
+    """(metadata, tensor names) of a .safetensors file, from its JSON header alone."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 << 20:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as exc:
+        raise LoraError(f"infer.lora: {p} is not a readable .safetensors file ({exc})") from None
+    meta = header.pop("__metadata__", None) or {}
+    return {str(k): str(v) for k, v in meta.items()}, list(header)
+
+
+def lora_family(path: str | Path) -> str | None:
+    """The family a LoRA file was made for: from our header, else guessed from its key names."""
+    meta, keys = read_lora_header(path)
+    if meta.get("offload_jobs.family"):
+        return meta["offload_jobs.family"]
+    body = [k.split(".", 1)[1] if k.startswith(("transformer.", "diffusion_model.")) else k for k in keys]
+    if any(k.startswith("single_transformer_blocks.") or "double_blocks" in k or "single_blocks" in k for k in body):
+        return "flux"
+    if any(k.startswith("blocks.") and (".self_attn." in k or ".cross_attn." in k or ".attn1." in k) for k in body):
+        return "wan"
+    if any(".img_mlp." in k or ".txt_mlp." in k or ".img_mod." in k for k in body):
+        return "qwen-image"
+    return None  # e.g. double blocks only: Flux and SD3 name them alike

@@ -1,0 +1,163 @@
+"""The infer runner: the family's diffusers pipeline, the engine on its transformer.
+
+1. check the model folder and the LoRA (a file, a folder, or a train job's id), and that they agree
+2. encode every prompt and negative prompt (text encoders under component offload, then freed)
+3. load the transformer, fuse the LoRA into it, put it on the engine
+4. render each prompt for each seed; write PNGs (frames, a GIF and, with imageio-ffmpeg, an MP4 for
+   Wan), a JSON of every parameter, and a contact sheet of everything
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobs.runners import render as rnd
+from jobs.runners.families import FamilyAdapter, get_adapter
+from jobs.runners.inputs import Checked, check_infer
+from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
+                               resolve_device, resolve_dtype)
+from jobs.runners.folders import LoraError, read_lora_header
+from jobs.runners.precompute import encode_texts, make_cache
+from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
+from jobs.spec import JobSpec
+
+__all__ = ["infer", "plan_prompts"]
+
+
+def plan_prompts(spec: JobSpec, family: FamilyAdapter) -> list[rnd.PromptSpec]:
+    """Every (prompt, seed) to render, inline options applied over the spec's values."""
+    i = spec.infer
+    defaults = rnd.PromptSpec(prompt="", width=i.width, height=i.height, seed=i.seed, steps=i.steps,
+                              guidance=i.guidance if i.guidance is not None else family.default_guidance,
+                              negative=i.negative_prompt or "", frames=i.num_frames if family.is_video else 1)
+    prompts = i.prompt if isinstance(i.prompt, list) else [i.prompt]
+    out = []
+    for text in prompts:
+        base = rnd.parse_prompt(text, defaults)
+        seeds = i.seeds if i.seeds else [base.seed + k for k in range(i.num_images)]
+        for s in seeds:
+            p = rnd.PromptSpec(**base.as_dict())
+            p.seed = s
+            out.append(p)
+    return out
+
+
+def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[str, Any]:
+    """Run the job; `checked` is what `inputs.check_infer` returned (checked again if not given)."""
+    checked = checked or check_infer(spec, run_dir.parent.parent)
+    outputs = Path(os.environ.get("OFFLOAD_JOBS_OUTPUTS") or run_dir / "outputs")
+    outputs.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsWriter()
+    device = resolve_device(spec.offload.target_device)
+    cap = apply_vram_cap(device)
+    dtype = resolve_dtype(spec.model.dtype, device)
+    family = get_adapter(checked.family)
+    prompts = plan_prompts(spec, family)
+    watch = HostMemoryWatch(run_dir)
+    with watch:
+        return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
+                      prompts, watch)
+
+
+def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
+    def prepare(model: torch.nn.Module) -> None:
+        pipe_cls, _ = family.classes()
+        try:
+            state = pipe_cls.lora_state_dict(str(path))
+        except Exception as exc:  # diffusers' converters raise bare ValueErrors / KeyErrors on foreign keys
+            raise LoraError(f"infer.lora: {path} is not a {family.name} LoRA diffusers can read ({exc})") from None
+        if isinstance(state, tuple):
+            state = state[0]
+        wanted = {k.rsplit(".lora_", 1)[0] for k in state if ".lora_A" in k}
+        try:
+            model.load_lora_adapter(state, prefix="transformer", adapter_name="job_lora")
+        except Exception as exc:
+            raise LoraError(f"infer.lora: {path} does not fit this {family.name} model ({exc})") from None
+        got = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+        if not got:
+            raise LoraError(f"infer.lora: none of the {len(wanted)} modules of {path} is in this model")
+        if len(got) < len(wanted):
+            raise LoraError(f"infer.lora: only {len(got)} of the {len(wanted)} modules of {path} are in this model "
+                            "(a LoRA of another model size?)")
+        model.fuse_lora(lora_scale=scale)
+        model.unload_lora()
+
+    return prepare
+
+
+def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
+           dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
+           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch) -> dict[str, Any]:
+    i = spec.infer
+    watch.phase("encode")
+    t0 = time.perf_counter()
+    pipe = load_pipeline_parts(model_dir, family, dtype)
+    vae, scheduler = pipe.vae, pipe.scheduler
+    cache = make_cache(home_cache(run_dir), model_dir, family, dtype)
+    max_len = i.max_sequence_length or family.default_max_sequence_length
+    wanted = [p.prompt for p in prompts] + ([p.negative for p in prompts] if family.uses_negative else [])
+    texts = encode_texts(pipe, family, cache, wanted, max_len, device, cap)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if getattr(pipe, name, None) is not None:
+            setattr(pipe, name, None)
+    del pipe
+    free_host_memory()
+    metrics.write({"phase": "encode", "seconds": round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
+
+    watch.phase("load")
+    prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
+    engine_keys = spec.offload.engine_kwargs()
+    engine_keys.pop("enable_optimizer_cpu_offload", None)
+    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=False, prepare=prepare,
+                              rss=watch.rss)
+    watch.sample()
+    metrics.write({"phase": "load", "weight_bytes": loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
+                   "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
+                   "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes), **loaded.memory})
+    if lora is not None:
+        meta, _ = read_lora_header(lora)
+        print(f"LoRA {lora} fused at scale {i.lora_scale} (rank {meta.get('lora_rank', '?')}, "
+              f"made for {meta.get('offload_jobs.family', 'unknown')})", flush=True)
+
+    watch.phase("render")
+    pipe = rnd.embedding_pipeline(family, loaded.model, vae, scheduler)
+    records, sheet = [], []
+    for n, p in enumerate(prompts):
+        t1 = time.perf_counter()
+        neg = texts.get(p.negative) if family.uses_negative else None
+        images = rnd.render(family, pipe, vae, texts[p.prompt], neg, p, device, dtype, cap)
+        seconds = time.perf_counter() - t1
+        if family.is_video:
+            files = rnd.save_frames(images, outputs / f"video_{n:03d}", fps=i.fps)
+            sheet.append(images[len(images) // 2])
+        else:
+            files = [outputs / f"image_{n:03d}.png"]
+            images[0].save(files[0])
+            sheet.append(images[0])
+        stats = loaded.stats()
+        rec = {**p.as_dict(), "index": n, "files": [str(f) for f in files], "seconds": round(seconds, 3)}
+        records.append(rec)
+        metrics.write({"step": n + 1, "total_steps": len(prompts), "seconds": seconds, "host_rss_bytes": watch.sample(),
+                       **{k: stats.get(k) for k in ("vram_peak_bytes", "vram_allocated_bytes", "h2d_bytes",
+                                                    "h2d_gbps", "stall_ms", "pinned_used_bytes") if k in stats}})
+        print(f"[{n + 1}/{len(prompts)}] {p.prompt!r} seed {p.seed} -> {(files[0].parent if family.is_video else files[0]).name} ({seconds:.1f}s)", flush=True)
+    rnd.contact_sheet(sheet, outputs / "contact_sheet.png")
+    params = {"family": family.name, "model": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
+              "device": str(device), "lora": str(lora) if lora else None, "lora_scale": i.lora_scale if lora else None,
+              "max_sequence_length": max_len, "offload": engine_keys, "vram_cap_bytes": cap,
+              "images": records, "host_rss_peak_bytes": watch.peak, "weight_bytes": loaded.weight_bytes}
+    rnd.write_params(outputs / "params.json", params)
+    metrics.write({"phase": "done", "images": len(records), "host_rss_peak_bytes": watch.peak})
+    if loaded.handle is not None:
+        loaded.handle.remove()
+    emit_event(run_dir, "outputs", files=len(records), contact_sheet=str(outputs / "contact_sheet.png"))
+    return params
+
+
+def home_cache(run_dir: Path) -> Path:
+    return run_dir.parent.parent / "cache"

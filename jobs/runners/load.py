@@ -1,0 +1,187 @@
+"""Loading a model folder's parts, and the offload around them.
+
+`load_transformer` is the one place the transformer's weights come from. Today it is diffusers'
+`from_pretrained(low_cpu_mem_usage=True)` followed by the engine (`enable_offload` or
+`OffloadTrainingManager`), and it reports host RSS against the weight bytes. When the engine grows
+an entry point that reads safetensors tensor by tensor into its arena (the model built on the meta
+device), only this function changes.
+
+`component_offload` runs a text encoder or the VAE on the device only while it is needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from jobs.runners.families import FamilyAdapter
+
+__all__ = ["resolve_device", "resolve_dtype", "apply_vram_cap", "load_transformer", "LoadedTransformer",
+           "load_pipeline_parts", "component_offload", "free_host_memory", "module_bytes"]
+
+VRAM_CAP_ENV = "OFFLOAD_JOBS_VRAM_CAP"
+
+
+def resolve_device(target: str | None) -> torch.device:
+    if target:
+        return torch.device(target)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name:
+        return getattr(torch, name)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def apply_vram_cap(device: torch.device) -> int | None:
+    """Emulate a smaller card: $OFFLOAD_JOBS_VRAM_CAP (bytes or '8GiB') caps this process's VRAM."""
+    raw = os.environ.get(VRAM_CAP_ENV)
+    if not raw or device.type != "cuda":
+        return None
+    from offload_core import parse_bytes
+
+    cap = parse_bytes(raw, key=VRAM_CAP_ENV)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return cap
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def free_host_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so RSS shows what is really held."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class LoadedTransformer:
+    model: torch.nn.Module
+    handle: Any = None          # the engine's OffloadHandle (inference) or OffloadTrainingManager (training)
+    optimizer: Any = None
+    weight_bytes: int = 0
+    load_seconds: float = 0.0
+    offload_seconds: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+
+    def stats(self) -> dict[str, Any]:
+        return self.handle.stats() if self.handle is not None else {}
+
+
+def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, device: torch.device, *,
+                     offload: dict[str, Any] | None, training: bool = False,
+                     prepare: Callable[[torch.nn.Module], None] | None = None,
+                     make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
+                     enable_optimizer_cpu_offload: bool = False,
+                     cpu_offload_split_threshold: float | None = None,
+                     rss: Callable[[], int] | None = None) -> LoadedTransformer:
+    """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
+
+    `offload` holds engine keys (None keeps the model resident on `device`). `prepare(model)` runs
+    after the weights exist and before the engine packs them; `make_optimizer(model)` builds the
+    optimizer over what `prepare` made trainable (the training manager needs it up front).
+    """
+    _, cls = family.classes()
+    rss = rss or (lambda: 0)
+    t0 = time.perf_counter()
+    before = rss()
+    model = cls.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype, low_cpu_mem_usage=True)
+    model.eval()
+    loaded = LoadedTransformer(model=model, weight_bytes=module_bytes(model))
+    loaded.memory["rss_before_load"] = before
+    loaded.memory["rss_after_load"] = rss()
+    if prepare is not None:
+        prepare(model)
+    if make_optimizer is not None:
+        loaded.optimizer = make_optimizer(model)
+    loaded.load_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    if offload is None:
+        model.to(device)
+    elif training:
+        from offload_core import OffloadTrainingManager
+
+        keys = dict(offload)
+        keys.setdefault("target_device", str(device))
+        loaded.handle = OffloadTrainingManager(
+            model, target_device=keys.pop("target_device"), enable_optimizer_cpu_offload=enable_optimizer_cpu_offload,
+            cpu_offload_split_threshold=cpu_offload_split_threshold, optimizer=loaded.optimizer, **keys)
+    else:
+        from offload_core import enable_offload
+
+        keys = dict(offload)
+        keys.setdefault("target_device", str(device))
+        loaded.handle = enable_offload(model, **keys)
+    free_host_memory()
+    loaded.offload_seconds = time.perf_counter() - t1
+    loaded.memory["rss_after_offload"] = rss()
+    return loaded
+
+
+def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,
+                        text: bool = True, vae: bool = True) -> Any:
+    """The family's pipeline without its transformer (and without text encoders or VAE if not asked)."""
+    pipe_cls, _ = family.classes()
+    skip: dict[str, Any] = {"transformer": None}
+    if not text:
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
+            skip[name] = None
+    if not vae:
+        skip["vae"] = None
+    import json
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+    skip = {k: v for k, v in skip.items() if k in index}
+    pipe = pipe_cls.from_pretrained(str(model_dir), dtype=dtype, **skip)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        m = getattr(pipe, name, None)
+        if isinstance(m, torch.nn.Module):
+            m.requires_grad_(False).eval()
+    return pipe
+
+
+@contextmanager
+def component_offload(module: torch.nn.Module | None, device: torch.device, budget: int | None = None) -> Iterator[None]:
+    """Run `module` on `device` for the duration, then give the VRAM back.
+
+    On the CPU this is just running it. On a GPU the module moves whole when it fits in what is
+    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine.
+    """
+    if module is None or device.type == "cpu":
+        yield
+        return
+    size = module_bytes(module)
+    free, _ = torch.cuda.mem_get_info(device)
+    if budget is not None:
+        free = min(free, budget - torch.cuda.memory_reserved(device))
+    if size < 0.7 * free:
+        module.to(device)
+        try:
+            yield
+        finally:
+            module.to("cpu")
+            torch.cuda.empty_cache()
+        return
+    from offload_core import enable_offload
+
+    handle = enable_offload(module, target_device=str(device), offload_granularity="block")
+    try:
+        yield
+    finally:
+        handle.remove()
+        torch.cuda.empty_cache()

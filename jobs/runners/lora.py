@@ -1,0 +1,98 @@
+"""LoRA: inject with peft, save with each ecosystem's key names, check a file's family.
+
+Saved files load where users load them:
+- Flux:       transformer.<diffusers module>.lora_A.weight / .lora_B.weight (diffusers, ComfyUI)
+- Qwen-Image: diffusion_model.<diffusers module>.lora_A.weight ... (ComfyUI's names are diffusers')
+- Wan 2.1:    diffusion_model.<native Wan module>.lora_A.weight, e.g. blocks.0.self_attn.q
+
+alpha/rank is folded into lora_B, so there are no `.alpha` tensors and every loader applies the
+same scale (1). Rank and alpha go into the safetensors header, next to the family and base model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from jobs.runners.families import FamilyAdapter
+from jobs.runners.folders import LoraError, lora_family, read_lora_header
+
+__all__ = ["LoraError", "inject_lora", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
+           "read_lora_header"]
+
+
+def inject_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[str]:
+    """Freeze the model and add a peft LoRA adapter; returns the adapted module names."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=True, target_modules=list(targets))
+    try:
+        model.add_adapter(cfg)
+    except ValueError as exc:
+        raise LoraError(f"train.lora_target_modules: {exc}".split("\n")[0]) from None
+    adapted = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n})
+    if not adapted:
+        raise LoraError(f"train.lora_target_modules: none of {', '.join(targets)} names a module of this model")
+    for n, p in model.named_parameters():  # LoRA weights train in fp32 whatever the base dtype
+        if ".lora_" in n:
+            p.data = p.data.float()
+    return adapted
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name, as the model holds them (what checkpoints keep)."""
+    return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    if missing:
+        raise LoraError(f"checkpoint lacks {len(missing)} trainable tensors (e.g. {missing[0]}); "
+                        "was it made with other lora_target_modules or lora_rank?")
+    with torch.no_grad():
+        for n, v in state.items():
+            if n not in params or params[n].shape != v.shape:
+                raise LoraError(f"checkpoint tensor {n} {tuple(v.shape)} does not fit this model")
+            params[n].copy_(v)
+
+
+def export_lora(model: torch.nn.Module, family: FamilyAdapter, path: str | Path, *, rank: int, alpha: float,
+                metadata: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Write the adapter as one .safetensors in the family's convention; returns what was written."""
+    scale = alpha / rank
+    out: dict[str, torch.Tensor] = {}
+    unnamed = []
+    for name, p in model.named_parameters():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            continue
+        module, _, rest = name.partition(".lora_")
+        which = rest.split(".", 1)[0]  # A or B
+        key = family.lora_key(module)
+        if key is None:
+            unnamed.append(module)
+            continue
+        value = p.detach().float().cpu()
+        if which == "B":
+            value = value * scale
+        out[f"{key}.lora_{which}.weight"] = value.contiguous()
+    if unnamed:
+        raise LoraError(f"train.lora_target_modules: {unnamed[0]} has no {family.name} name outside diffusers; "
+                        f"target attention/MLP projections only")
+    meta = {"format": "pt", "offload_jobs.family": family.name, "lora_rank": str(rank), "lora_alpha": str(alpha),
+            "alpha_folded": "true", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha)}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(out, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return out
+
+
+def describe(meta: dict[str, str]) -> str:
+    return json.dumps({k: meta[k] for k in sorted(meta) if k.startswith(("offload_jobs.", "lora_"))})

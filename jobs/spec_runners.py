@@ -1,0 +1,110 @@
+"""The `model`, `train` and `infer` sections of a job spec (pydantic only, no torch).
+
+Field names follow the trainers users know (DiffSynth-Studio's and diffusers' LoRA scripts, and the
+seed workflow): `learning_rate`, `lora_rank`, `lora_target_modules`, `enable_model_cpu_offload`, ...
+`jobs.spec` re-exports these classes; the runners in `jobs.runners` read them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jobs.spec_yaml import MAX_INT
+
+__all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec"]
+
+FAMILIES = ("flux", "qwen-image", "wan", "sd3")
+Family = Literal["flux", "qwen-image", "wan", "sd3"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=False, allow_inf_nan=False)
+
+
+def _names(value: object) -> object:
+    """`to_q,to_k` (as the seed workflow writes it) or a list -> a list of module names."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+class ModelSpec(_Strict):
+    path: Optional[str] = Field(None, description="A diffusers model folder (model_index.json, transformer/, vae/, ...).")
+    family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
+        None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
+
+
+class TrainSpec(_Strict):
+    """LoRA training of the model's transformer with a flow-matching loss."""
+
+    dataset: Optional[str] = Field(None, description="Folder of images (clips for Wan) with .txt captions or a metadata.jsonl/.csv.")
+    caption_column: str = Field("text", description="Caption column of metadata.jsonl / .csv.")
+    image_column: str = Field("file_name", description="File column of metadata.jsonl / .csv.")
+    repeats: int = Field(1, ge=1, le=10_000, description="Times each item appears per epoch.")
+    max_pixels: int = Field(1024 * 1024, ge=64, le=1 << 28, description="Largest bucket area (width x height) in pixels.")
+    num_frames: int = Field(1, ge=1, le=10_000, description="Wan: frames taken from each clip (4k+1 for the real VAE).")
+    steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps (unless num_epochs is set).")
+    num_epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Passes over the dataset (instead of steps).")
+    batch_size: int = Field(1, ge=1, le=65536, description="Items per micro-batch, all from one aspect bucket.")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
+    learning_rate: float = Field(1e-4, gt=0.0, le=1e3)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0, le=10**9)
+    weight_decay: float = Field(0.0, ge=0.0, le=1e3)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0.0, le=1e6, description="Clip gradients to this norm; null turns clipping off.")
+    lora_rank: int = Field(32, ge=1, le=65536)
+    lora_alpha: Optional[float] = Field(None, gt=0.0, le=1e6, description="Default: lora_rank (scale 1).")
+    lora_target_modules: Optional[list[str]] = Field(
+        None, description="Module names (a list, or comma-separated); default: the family's attention and MLP projections.")
+    gradient_checkpointing: bool = True
+    seed: int = Field(0, ge=0, le=MAX_INT)
+    timestep_sampling: Literal["shift", "uniform", "logit_normal"] = Field(
+        "shift", description="How sigma is drawn: uniform, logit-normal, or uniform then shifted by discrete_flow_shift.")
+    discrete_flow_shift: float = Field(3.0, gt=0.0, le=1e3)
+    guidance_scale: float = Field(1.0, ge=0.0, le=1e4, description="Guidance fed to guidance-distilled models (Flux-dev) while training.")
+    max_sequence_length: Optional[int] = Field(None, ge=1, le=65536, description="Text tokens; default the family's.")
+    enable_model_cpu_offload: bool = Field(True, description="Stream the transformer's weights (the engine); false keeps it resident.")
+    enable_optimizer_cpu_offload: bool = Field(False, description="Keep fp32 LoRA masters and the optimizer on the CPU.")
+    cpu_offload_split_threshold: Optional[float] = Field(None, gt=0.0, le=1e9, description="MB: units bigger than this are split.")
+    save_every: Optional[int] = Field(250, ge=1, le=10**9, description="Checkpoint every N steps (null: only at the end).")
+    save_every_minutes: Optional[float] = Field(None, gt=0.0, le=1e7, description="Also checkpoint every N minutes.")
+    keep_last: int = Field(3, ge=1, le=10_000, description="Checkpoints kept; older ones are deleted.")
+    sample_every: Optional[int] = Field(None, ge=1, le=10**9, description="Render sample_prompts every N steps.")
+    sample_prompts: Optional[Union[str, list[str]]] = Field(
+        None, description="Prompts (a list, or a file with one per line), each optionally with --w --h --seed --steps --guidance --n.")
+    sample_steps: int = Field(20, ge=1, le=100_000)
+    sample_guidance: Optional[float] = Field(None, ge=0.0, le=1e4, description="Default: the family's.")
+    sample_width: Optional[int] = Field(None, ge=8, le=65536)
+    sample_height: Optional[int] = Field(None, ge=8, le=65536)
+    cache_dir: Optional[str] = Field(None, description="Latent and text-embedding cache; default <state dir>/cache.")
+    output_name: str = Field("lora", description="Base name of the LoRA file written to outputs/.")
+
+    _split = field_validator("lora_target_modules", mode="before")(_names)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainSpec":
+        if "steps" in self.model_fields_set and self.num_epochs is not None:
+            raise ValueError("set `steps` or `num_epochs`, not both")
+        return self
+
+
+class InferSpec(_Strict):
+    """Generation with the family's diffusers pipeline, the engine on its transformer."""
+
+    prompt: Union[str, list[str]] = Field("", description="A prompt or a list; each optionally with inline --w --h --seed --steps --guidance --n.")
+    negative_prompt: Optional[str] = None
+    steps: int = Field(28, ge=1, le=10**9)
+    guidance: Optional[float] = Field(None, ge=0.0, le=1e4, description="Flux: distilled guidance; Qwen-Image: true CFG; Wan: CFG. Default: the family's.")
+    height: int = Field(1024, ge=8, le=65536)
+    width: int = Field(1024, ge=8, le=65536)
+    num_frames: int = Field(17, ge=1, le=10_000, description="Wan: frames per video (4k+1).")
+    fps: int = Field(16, ge=1, le=1000, description="Wan: frames per second of the written video.")
+    seed: int = Field(0, ge=0, le=MAX_INT)
+    seeds: Optional[list[Annotated[int, Field(ge=0, le=MAX_INT)]]] = Field(None, max_length=10_000, description="One image per seed (overrides seed and num_images).")
+    num_images: int = Field(1, ge=1, le=10_000, description="Images per prompt (seeds seed, seed+1, ...).")
+    lora: Optional[str] = Field(None, description="A LoRA .safetensors path, or the id of a train job whose LoRA to use.")
+    lora_scale: float = Field(1.0, ge=-1e3, le=1e3)
+    max_sequence_length: Optional[int] = Field(None, ge=1, le=65536)
