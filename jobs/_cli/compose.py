@@ -217,11 +217,11 @@ def _prepare_mounts(worker: dict[str, Any]) -> list[dict[str, str]]:
             continue
         src = Path(v["source"])
         mounts.append({"source": str(src), "target": str(v["target"])})
-        if src.exists():
-            continue
         try:
+            # an empty root-owned folder is what a plain `docker compose up` left: give it over too
+            made = not src.exists() or (src.is_dir() and src.stat().st_uid == 0 and not any(src.iterdir()))
             src.mkdir(parents=True, exist_ok=True)
-            if os.getuid() == 0 and ids and ids[0] != 0:
+            if made and os.getuid() == 0 and ids and ids[0] != 0:
                 os.chown(src, ids[0], ids[-1])
         except OSError as exc:
             raise CliError(f"cannot create the worker's folder {src} ({exc.strerror})") from None
@@ -261,7 +261,11 @@ def compose_up(file: Path | None, home: Path, wait_s: float) -> str:
 
     code, tail = _stream([*cmd, "up", "-d", "--wait", "--wait-timeout", str(max(1, round(wait_s)))], project, env)
     if code != 0:
-        raise CliError(f"`docker compose up` failed in {project.dir} (exit code {code}){_hint(tail)}")
+        logs = subprocess.run([*cmd, "logs", "--no-color", "--tail", "20", SERVICE], cwd=project.dir, env=env,
+                              capture_output=True, text=True).stdout
+        said = [ln.split("|", 1)[-1].strip() for ln in logs.splitlines() if "error" in ln.lower()]
+        why = f"; the worker said: {said[-1]}" if said else _hint(tail)
+        raise CliError(f"`docker compose up` failed in {project.dir} (exit code {code}){why}")
     _wait_for(url, token, wait_s)
     container = subprocess.run([*cmd, "ps", "-q", SERVICE], cwd=project.dir, env=env, capture_output=True,
                                text=True).stdout.strip()
@@ -290,7 +294,7 @@ def compose_down(file: Path | None, home: Path) -> None:
     except (OSError, ValueError):
         pass
     name = rec.get("project") if file is None and Path(rec.get("project_dir", "")) == project.dir else None
-    code, tail = _stream([*project.command(compose, name), "down"], project, dict(os.environ))
+    code, _ = _stream([*project.command(compose, name), "down"], project, dict(os.environ))
     if code != 0:
         raise CliError(f"`docker compose down` failed in {project.dir} (exit code {code})")
     info = read_worker_info(home) or {}
