@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765  # jobs.home.DEFAULT_PORT; repeated so --help does not import it
 
