@@ -46,7 +46,7 @@ RUN set -eu; \
         export PIP_CERT=/etc/ssl/certs/ca-certificates.crt; \
     fi; \
     python3 -m venv --system-site-packages /opt/venv; \
-    pip="/opt/venv/bin/python -m pip install -q --no-compile"; \
+    pip="/opt/venv/bin/python -m pip install -q"; \
     if /opt/venv/bin/python -c "import torch" 2>/dev/null; then \
         echo "torch from the base image: $(/opt/venv/bin/python -c 'import torch; print(torch.__version__)')"; \
     elif ls /tmp/build/wheels/torch-*.whl >/dev/null 2>&1; then \
@@ -77,7 +77,7 @@ COPY pyproject.toml README.md ./
 COPY offload_core ./offload_core
 COPY jobs ./jobs
 COPY tui ./tui
-RUN pip install -q --no-deps --no-build-isolation --no-compile . && rm -rf build ./*.egg-info \
+RUN pip install -q --no-deps --no-build-isolation . && rm -rf build ./*.egg-info \
     && offload-jobs --help >/dev/null
 COPY examples ./examples
 COPY scripts/container-entrypoint.sh /usr/local/bin/offload-jobs-entrypoint
