@@ -2,7 +2,8 @@
 
 `up` works from any folder. It finds the project (the checkout that holds compose.yaml), makes sure
 `.env` has a token and that the host folder exists and belongs to the container's user, runs
-`docker compose up -d --wait`, checks that the worker answers that token on the published port,
+`docker compose up -d` (which builds the image the first time), waits until the worker answers that
+token on the published port,
 and records the URL and token in the client's state dir (`worker.json`, `token`), where `ps`,
 `submit` and `tui` look. `down` runs `docker compose down` for the recorded project and forgets
 the URL. The recording also lists the container's mounts, so `validate` can warn about a path
@@ -231,7 +232,7 @@ def _prepare_mounts(worker: dict[str, Any]) -> list[dict[str, str]]:
 # ------------------------------------------------------------ up / down
 
 def compose_up(file: Path | None, home: Path, wait_s: float) -> str:
-    """`docker compose up -d --wait` in the project; returns the worker's URL once it answers our token."""
+    """`docker compose up -d` in the project; returns the worker's URL once it answers our token."""
     from jobs.home import read_worker_info
 
     compose = compose_binary()
@@ -259,14 +260,16 @@ def compose_up(file: Path | None, home: Path, wait_s: float) -> str:
     _record(home, RECORD_FILE, {"project_dir": str(project.dir), "files": [str(f) for f in project.files],
                                 "project": name})
 
-    code, tail = _stream([*cmd, "up", "-d", "--wait", "--wait-timeout", str(max(1, round(wait_s)))], project, env)
+    # No --wait: its timeout would have to cover a first build too. We wait for the API ourselves.
+    code, tail = _stream([*cmd, "up", "-d"], project, env)
     if code != 0:
-        logs = subprocess.run([*cmd, "logs", "--no-color", "--tail", "20", SERVICE], cwd=project.dir, env=env,
-                              capture_output=True, text=True).stdout
-        said = [ln.split("|", 1)[-1].strip() for ln in logs.splitlines() if "error" in ln.lower()]
-        why = f"; the worker said: {said[-1]}" if said else _hint(tail)
-        raise CliError(f"`docker compose up` failed in {project.dir} (exit code {code}){why}")
-    _wait_for(url, token, wait_s)
+        said = _worker_error(cmd, project, env)
+        raise CliError(f"`docker compose up` failed in {project.dir} (exit code {code})"
+                       f"{'; the worker said: ' + said if said else _hint(tail)}")
+    if not _wait_for(url, token, wait_s):
+        said = _worker_error(cmd, project, env)
+        raise CliError(f"the worker container did not answer at {url} within {wait_s:.0f}s"
+                       f"{'; it said: ' + said if said else '; see `docker compose logs worker` (or pass --wait)'}")
     container = subprocess.run([*cmd, "ps", "-q", SERVICE], cwd=project.dir, env=env, capture_output=True,
                                text=True).stdout.strip()
     from jobs.home import TOKEN_FILE, WORKER_FILE
@@ -325,7 +328,10 @@ def _answers(url: str, token: str | None) -> bool:
     return True
 
 
-def _wait_for(url: str, token: str, wait_s: float) -> None:
+def _wait_for(url: str, token: str, wait_s: float) -> bool:
+    """Poll until the worker answers `token` (health and the token at once); False on timeout."""
+    import httpx
+
     from jobs.client import JobsClient
     from jobs.errors import AuthError, JobsError
 
@@ -333,16 +339,24 @@ def _wait_for(url: str, token: str, wait_s: float) -> None:
     while True:
         try:
             with JobsClient(url, token, timeout=2.0) as client:
-                client.list(limit=1)  # health and the token at once
-            return
+                client.list(limit=1)
+            return True
         except AuthError:
             raise CliError(f"the worker at {url} refused the token from .env; is another worker on that port? "
                            "(set OFFLOAD_PORT in .env)") from None
-        except JobsError:
+        # docker-proxy accepts on the published port before the worker listens, then resets: a ReadError
+        except (JobsError, httpx.TransportError):
             if time.monotonic() > deadline:
-                raise CliError(f"the worker container is up but {url} did not answer within {wait_s:.0f}s; "
-                               "see `docker compose logs worker`") from None
+                return False
             time.sleep(0.2)
+
+
+def _worker_error(cmd: list[str], project: Project, env: dict[str, str]) -> str:
+    """The worker container's last error line, if its log has one."""
+    logs = subprocess.run([*cmd, "logs", "--no-color", "--tail", "20", SERVICE], cwd=project.dir, env=env,
+                          capture_output=True, text=True).stdout
+    said = [ln.split("|", 1)[-1].strip() for ln in logs.splitlines() if "error" in ln.lower()]
+    return re.sub(r"^error:\s*", "", said[-1]) if said else ""
 
 
 def _hint(tail: str) -> str:
