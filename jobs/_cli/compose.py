@@ -252,7 +252,7 @@ def compose_up(file: Path | None, home: Path, wait_s: float) -> str:
     url = _published_url(worker)
 
     info = read_worker_info(home) or {}
-    if info.get("pid") and "compose" not in info and _answers(str(info.get("url", "")), None):
+    if info.get("pid") and "compose" not in info and _answers(str(info.get("url", ""))):
         raise CliError(f"a local worker (pid {info['pid']}) runs at {info.get('url')} for {home}; stop it with "
                        "`offload-jobs down --local`, or use another --home")
     mounts = _prepare_mounts(worker)
@@ -314,16 +314,18 @@ def _published_url(worker: dict[str, Any]) -> str:
     raise CliError("the compose file publishes no port for the worker's 8765")
 
 
-def _answers(url: str, token: str | None) -> bool:
+def _answers(url: str) -> bool:
+    import httpx
+
     from jobs.client import JobsClient
     from jobs.errors import JobsError
 
     if not url:
         return False
     try:
-        with JobsClient(url, token, timeout=1.0) as client:
-            client.health() if token is None else client.list(limit=1)
-    except JobsError:
+        with JobsClient(url, timeout=1.0) as client:
+            client.health()
+    except (JobsError, httpx.TransportError):
         return False
     return True
 
