@@ -120,12 +120,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         OFFLOAD_IMAGE=IMAGE, BASE_IMAGE=BASE_IMAGE, OFFLOAD_JOBS_HOME=str(root / "client"))
     cli_env = clean_env(OFFLOAD_JOBS_HOME=str(root / "client"))
     s = Stack(root, data, port, token, compose_env, cli_env)
+    before = _image_id(IMAGE)
     try:
         t0 = time.monotonic()
         build = s.compose("--progress", "plain", "build", timeout=1200, check=False)
         s.timings["build_s"] = time.monotonic() - t0
         (root / "build.log").write_text(build.stdout + build.stderr)
         assert build.returncode == 0, f"image build failed:\n{(build.stdout + build.stderr)[-4000:]}"
+        if before and before != _image_id(IMAGE):
+            run(["docker", "image", "rm", before], compose_env, check=False)  # the last run's image, now untagged
         yield s
     finally:
         logs = s.compose("logs", "--no-color", "--tail", "200", check=False)
@@ -390,6 +393,11 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def _image_id(image: str) -> str:
+    res = run(["docker", "image", "inspect", "--format", "{{.Id}}", image], os.environ.copy(), check=False)
+    return res.stdout.strip()
 
 
 def _layers(image: str) -> list[str]:
