@@ -43,8 +43,14 @@ def validate(
         print_json({"ok": False, "file": str(file), "field": field, "line": line, "error": str(exc)})
         typer.echo(error_line(exc), err=True)
         raise typer.Exit(2) from None
+    from jobs._cli.compose import mount_warnings  # a worker in a container sees only its mounts
+    from jobs.home import state_home
+
+    warnings = mount_warnings(spec, state_home())
+    for line in warnings:
+        typer.echo(line, err=True)
     if json_out:
         print_json({"ok": True, "file": str(file), "kind": spec.kind, "name": spec.name,
-                    "spec": spec.model_dump(mode="json")})
+                    "spec": spec.model_dump(mode="json"), "warnings": warnings})
     else:
         typer.echo("ok")

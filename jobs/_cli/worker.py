@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
-from jobs._cli.output import CliError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765  # jobs.home.DEFAULT_PORT; repeated so --help does not import it
@@ -19,8 +15,8 @@ HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on.")]
 PortOpt = Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on.")]
 HomeOpt = Annotated[Optional[Path], typer.Option("--home", help=HOME_HELP, show_default=False)]
 ComposeFileOpt = Annotated[Optional[Path], typer.Option(
-    "--file", "-f", help="Compose file (default: compose.yaml here).", show_default=False)]
-COMPOSE_FILES = ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")
+    "--file", "-f", help="Compose file (default: the offload-jobs checkout's compose.yaml, found from anywhere).",
+    show_default=False)]
 
 
 def worker(
@@ -54,8 +50,10 @@ def up(
 ) -> None:
     """Start the worker: `docker compose up -d`, or with --local a background process on this machine."""
     if not local:
-        _compose(["up", "-d"], file)
-        typer.echo("worker starting in Docker; check it with: offload-jobs ps", err=True)
+        from jobs._cli.compose import compose_up
+        from jobs.home import state_home
+
+        typer.echo(compose_up(file, state_home(home), wait_s=wait))
         return
     from jobs._cli.local_worker import LOG_FILE, start_local_worker, worker_healthy
     from jobs.home import read_worker_info, state_home
@@ -80,7 +78,10 @@ def down(
 ) -> None:
     """Stop the worker: `docker compose down`, or with --local the background process."""
     if not local:
-        _compose(["down"], file)
+        from jobs._cli.compose import compose_down
+        from jobs.home import state_home
+
+        compose_down(file, state_home(home))
         return
     from jobs._cli.local_worker import stop_local_worker
     from jobs.home import state_home
@@ -92,19 +93,3 @@ def down(
     else:
         typer.echo(f"stopped worker (pid {pid})", err=True)
 
-
-def _compose(args: list[str], file: Path | None) -> None:
-    docker = shutil.which("docker")
-    if docker is None:
-        raise CliError("docker is not installed (or not on PATH); install Docker, "
-                       "or run a worker on this machine with: offload-jobs up --local")
-    cmd = [docker, "compose"]
-    if file is not None:
-        if not file.exists():
-            raise CliError(f"{file}: no such compose file")
-        cmd += ["-f", str(file)]
-    elif not any(Path(n).exists() for n in COMPOSE_FILES):
-        raise CliError("no compose.yaml in this directory; run from the offload-jobs checkout, or pass --file")
-    code = subprocess.call(cmd + args)
-    if code != 0:
-        raise CliError(f"`{' '.join(['docker', 'compose', *args])}` failed with exit code {code}")
