@@ -24,7 +24,7 @@ from jobs.spec_yaml import (
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
-from jobs.vocab import EXECUTORS, KINDS, REASONS
+from jobs.vocab import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
 from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
@@ -150,8 +150,9 @@ def _env(value: Any) -> Any:
                                              "not starting with a digit)")
         if len(name) > 256:
             raise _FieldError(f"env.{name[:40]}...", "name is longer than 256 characters")
-        if name.startswith("OFFLOAD_JOBS_"):
-            raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name")
+        if name.startswith("OFFLOAD_JOBS_") and name not in RUNNER_ENV_OPTIONS:
+            raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name "
+                                             f"(a job may set {', '.join(sorted(RUNNER_ENV_OPTIONS))})")
     return value
 
 
