@@ -397,9 +397,10 @@ class Trace:
     h2d_bytes: list[int]  # the engine's cumulative counter after each step (empty when resident)
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
-    # On model.parameters(), before the engine is installed, as DiffSynth users do.
-    return torch.optim.AdamW(model.parameters(), lr=lr)
+def make_optimizer(model: nn.Module, lr: float = 1e-3, fused: bool = False) -> torch.optim.Optimizer:
+    # On model.parameters(), before the engine is installed, as DiffSynth users do. fused: torch's
+    # fused kernel (what optimizer offload steps streamed parameters with by default).
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=fused or None)
 
 
 def trainable_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -502,10 +503,10 @@ _REFERENCES: dict[tuple, tuple[Trace, dict[str, torch.Tensor]]] = {}
 
 
 def reference(case: Case, model: nn.Module, *, mode: str, checkpointing: bool, steps: int,
-              accum: int = 1) -> tuple[Trace, dict[str, torch.Tensor]]:
+              accum: int = 1, fused: bool = False) -> tuple[Trace, dict[str, torch.Tensor]]:
     """Train the resident model A once per configuration; later tests reuse the (deterministic) result."""
-    key = (case.name, mode, checkpointing, steps, accum)
+    key = (case.name, mode, checkpointing, steps, accum, fused)
     if key not in _REFERENCES:
-        trace = train(case, model, make_optimizer(model), steps=steps, accum=accum)
+        trace = train(case, model, make_optimizer(model, fused=fused), steps=steps, accum=accum)
         _REFERENCES[key] = (trace, snapshot(model))
     return _REFERENCES[key]

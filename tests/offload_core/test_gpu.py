@@ -322,7 +322,8 @@ def test_optimizer_offload_accumulation_on_cuda() -> None:
     off = copy.deepcopy(ref)
     # Reference keeps weights on the GPU but steps a CPU copy, as the offloaded path does.
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-3)
-    mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o)
+    # the optimizer's own kernel: bitwise the plain AdamW the reference steps on the CPU
+    mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o, fused_cpu_optimizer=False)
     cpu_ref = copy.deepcopy(ref)
     opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3)
     for step in range(5):
@@ -377,7 +378,8 @@ def test_overlapped_optimizer_step_on_cuda() -> None:
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-3)
     mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o,
                                  overlap_optimizer_step=True, gradient_accumulation_steps=2)
-    opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3)
+    # the default fused CPU kernel: bitwise AdamW(fused=True) on the CPU
+    opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3, fused=True)
     for step in range(5):
         ref_gpu = copy.deepcopy(cpu_ref).to(CUDA)
         for k in range(2):
