@@ -124,7 +124,7 @@ class OffloadEngine:
                 for t in u.tensors:
                     self._move_resident(t.module, t.attr, t.is_param)
 
-        self.store: HostStore = PinnedArena(self.streamed, pin=self.is_cuda and config.cpu_offload)
+        self.store: HostStore = self._make_store()
         if not getattr(self.store, "filled", False):
             self._pack()
         trim_host_heap()
@@ -135,7 +135,7 @@ class OffloadEngine:
 
         moving = [u for u in self.streamed if not u.sticky]
         slot_bytes = max((u.nbytes for u in moving), default=0)
-        self.ring = SlotRing(slot_bytes, planner.ring_slots(depth) if moving else 0, self.device)
+        self.ring = SlotRing(slot_bytes, planner.ring_slots(depth, len(moving)), self.device)
         for u in self.streamed:
             if u.sticky:
                 self.ring.add_sticky(u.uid, u.nbytes)
@@ -155,6 +155,10 @@ class OffloadEngine:
         self.setup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ setup
+    def _make_store(self) -> HostStore:
+        """The host store of the streamed units (setup only; the hot path sees the HostStore calls)."""
+        return PinnedArena(self.streamed, pin=self.is_cuda and self.config.cpu_offload)
+
     def _move_resident(self, m: nn.Module, attr: str, is_param: bool) -> None:
         t = (m._parameters if is_param else m._buffers)[attr]
         if t is None or t.device == self.device:
@@ -210,9 +214,12 @@ class OffloadEngine:
         return uid in self._bound
 
     def invalidate(self, uid: int) -> None:
-        """Forget the device copy of a unit whose host master changed, unless something still uses it."""
-        slot = self.ring.lookup(uid)
-        if slot is not None and uid not in self._bound and slot.is_free():
+        """Forget the device copy of a unit whose host master changed: its next use loads it again.
+
+        A slot something still references (a retained graph) is not reused meanwhile (it is not
+        free), but it no longer counts as holding the unit, so the stale bytes are never bound.
+        """
+        if uid not in self._bound:
             self.ring.forget(uid)
 
     # ------------------------------------------------------------------ root hooks

@@ -49,9 +49,11 @@ def interleaved(n: int, k: int) -> list[int]:
     return sorted({n - 1 - int(math.floor(i * step)) for i in range(k)})
 
 
-def ring_slots(depth: int) -> int:
-    """Slots a prefetch depth needs: the unit in use and ``depth`` ahead (two at the least)."""
-    return max(depth + 1, 2)
+def ring_slots(depth: int, units: int | None = None) -> int:
+    """Slots a prefetch depth needs: the unit in use and ``depth`` ahead (two at the least), and
+    never more than the ``units`` that move (each then has a slot of its own)."""
+    n = max(depth + 1, 2)
+    return n if units is None else max(min(n, units), 1 if units else 0)
 
 
 # ---------------------------------------------------------------- the first plan, from sizes
@@ -76,7 +78,7 @@ def plan_residency(units: Sequence[Unit], *, cpu_offload: bool, stray_resident_f
         stray_bytes = sum(u.nbytes for u in strays)
         total = sum(u.nbytes for u in candidates)
         rest = [u for u in candidates if not (u.stray and not u.trainable)]
-        ring = ring_slots(depth) * max((u.nbytes for u in rest), default=0)
+        ring = ring_slots(depth, len(rest)) * max((u.nbytes for u in rest), default=0)
         if strays and stray_bytes <= stray_resident_fraction * total and len(strays) < len(candidates):
             if vram_budget is None or stray_bytes + ring <= vram_budget:
                 resident = {u.uid for u in strays}
@@ -89,11 +91,12 @@ def plan_residency(units: Sequence[Unit], *, cpu_offload: bool, stray_resident_f
         keep = interleaved(len(stickable), len(stickable) - n_stream)
     if vram_budget is not None and candidates:
         # The smallest ring must fit before anything is measured; the rest waits for measurements.
-        ring = ring_slots(depth) * max(u.nbytes for u in candidates)
+        slots = ring_slots(depth, len(candidates))
+        ring = slots * max(u.nbytes for u in candidates)
         if strays_resident + ring > vram_budget:
             raise VramBudgetError(
-                f"vram_budget: {_gib(vram_budget)} cannot hold the smallest ring ({ring_slots(depth)} slots of "
-                f"{_gib(ring // ring_slots(depth))}, the largest streamed unit){_plus(strays_resident, 'resident strays')}; "
+                f"vram_budget: {_gib(vram_budget)} cannot hold the smallest ring ({slots} slots of "
+                f"{_gib(ring // slots)}, the largest streamed unit){_plus(strays_resident, 'resident strays')}; "
                 f"raise it to at least {_gib(strays_resident + ring)} plus the activations, or split the units "
                 "(offload_granularity='leaf' or cpu_offload_split_threshold)")
     sticky = frozenset(stickable[i].uid for i in keep)

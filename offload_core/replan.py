@@ -32,6 +32,7 @@ class Replanner:
         self.e = e
         cfg = e.config
         self.depth0 = e.schedule.depth
+        self.slots0 = len(e.ring.slots)
         self.budget = cfg.vram_budget
         # a device with a memory limit to grow into (a card; None on the CPU)
         self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
@@ -73,6 +74,7 @@ class Replanner:
     def apply(self, plan: planner.Plan) -> None:
         """Make ``plan`` the one in force: sticky units, ring slots, prefetch depth."""
         e = self.e
+        e.synchronize()  # no copy may still be landing in a buffer the new plan frees
         for uid in list(e.ring.sticky):
             if uid not in plan.sticky:
                 e.ring.drop_sticky(uid)
@@ -87,7 +89,7 @@ class Replanner:
         e.prediction.update(
             plan.info(), sticky_units=len(plan.sticky), streamed_units=len(moving),
             streamed_bytes=sum(u.nbytes for u in moving), sticky_bytes=sum(e.units[u].nbytes for u in plan.sticky),
-            extra_slots=len(e.ring.slots) - planner.ring_slots(self.depth0), depth=plan.depth)
+            extra_slots=len(e.ring.slots) - self.slots0, depth=plan.depth)
         e.refill()  # what the new plan no longer keeps: fetch the first units now
 
     # ------------------------------------------------------------------ when
