@@ -9,9 +9,8 @@ ordinary torch optimizer steps on the CPU.
 
 The optimizer is found at its first ``step()`` (a global step pre-hook: the optimizer that holds
 these parameters), or passed in. From then on the streamed parameters are stepped here, a unit's
-parameters at a time, through a twin of that optimizer (same class, the same param group's values
-read at every step) sharing its state (``optimizer.state`` stays the one to save), and hidden from
-the optimizer's own step:
+parameters at a time (cpu_step.py: a twin of that optimizer sharing its state, so
+``optimizer.state`` stays the one to save), and hidden from the optimizer's own step:
 
 - **fused** (``fused_cpu_optimizer``, default): Adam and AdamW use torch's fused CPU kernel, one pass
   over memory instead of one per operation. The result is bitwise that of ``AdamW(fused=True)``; it
@@ -30,24 +29,18 @@ the optimizer's own step:
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import weakref
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
+from .cpu_step import TWINS, CpuStepper
 from .errors import OptimizerOverlapError
 from .hostmem import HostBuffer
 
 __all__ = ["OptimizerOffload"]
-
-log = logging.getLogger(__name__)
-
-_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
-_NOT_COPIED = ("params", "fused", "foreach", "capturable", "differentiable")
 
 
 class _Trainable:
@@ -63,17 +56,6 @@ class _Trainable:
         self.direct = False  # the gradient may stay in its staging buffer (fp32, one per step)
         for k, v in kw.items():
             setattr(self, k, v)
-
-
-class _Bucket:
-    """The streamed parameters of one unit in one param group: one twin optimizer steps them together."""
-
-    __slots__ = ("items", "opt", "group", "twin")
-
-    def __init__(self, opt: torch.optim.Optimizer, group: dict) -> None:
-        self.items: list[_Trainable] = []
-        self.opt, self.group = opt, group
-        self.twin: Any = None  # None: not built yet; False: this optimizer cannot be twinned
 
 
 class _Worker:
@@ -126,18 +108,17 @@ class _Worker:
 # Every live OptimizerOffload sees every optimizer step of the process (two global hooks, installed
 # while there is one).
 _LIVE: "weakref.WeakSet[OptimizerOffload]" = weakref.WeakSet()
-_TWINS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _GLOBAL: list[Any] = []
 
 
 def _pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if opt not in _TWINS:
+    if opt not in TWINS:
         for inst in list(_LIVE):
             inst._before_step(opt)
 
 
 def _post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if opt not in _TWINS:
+    if opt not in TWINS:
         for inst in list(_LIVE):
             inst._after_step(opt)
 
@@ -160,7 +141,7 @@ class OptimizerOffload:
                 if ts.is_param and ts.tensor().requires_grad:
                     self.items.append(_Trainable(param=ts.tensor(), unit=u, index=i,
                                                  name=names.get(id(ts.tensor()), ts.attr)))
-        self._by_id = {id(it.param): it for it in self.items}
+        self.stepper = CpuStepper(self.items, fused=self.fused)
         total = sum(it.unit.tensors[it.index].nbytes for it in self.items)
         self._staging = HostBuffer(total, pin=engine.is_cuda)
         off = 0
@@ -177,9 +158,8 @@ class OptimizerOffload:
         self._finalizer = weakref.finalize(self, self.worker.stop)  # dropped without remove(): end the thread
         self._on_host = False
         self._hidden: list[tuple[_Trainable, Any]] = []
-        self._seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         if optimizer is not None:
-            self._adopt(optimizer)
+            self.stepper.adopt(optimizer)
             if self.overlap_setting:
                 self._start_overlap("overlap_optimizer_step=True with the optimizer passed in")
         _LIVE.add(self)
@@ -189,96 +169,6 @@ class OptimizerOffload:
             _GLOBAL.extend([register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)])
         engine.add_cycle_callback(self._take_back)
         engine.masters.add_hooks(self._flush, self._written)
-
-    # ------------------------------------------------------------------ the optimizer
-    def _adopt(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether ``opt`` steps any of our parameters (taking note of which, and in which group)."""
-        if opt in self._seen:
-            return any(it.opt is opt for it in self.items)
-        self._seen.add(opt)
-        mine = False
-        for group in opt.param_groups:
-            for p in group["params"]:
-                it = self._by_id.get(id(p))
-                if it is not None and it.param is p:
-                    it.opt, it.group, mine = opt, group, True
-        if mine:
-            self._rebucket()
-        return mine
-
-    def _regroup(self) -> None:
-        # load_state_dict gives an optimizer new group dicts: find each parameter's group again
-        moved = False
-        for opt in {id(it.opt): it.opt for it in self.items if it.opt is not None}.values():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    it = self._by_id.get(id(p))
-                    if it is not None and it.opt is opt and it.group is not group:
-                        it.group, moved = group, True
-        if moved:
-            self._rebucket()
-
-    def _rebucket(self) -> None:
-        buckets: dict[tuple, _Bucket] = {}
-        for it in self.items:
-            if it.opt is None:
-                continue
-            key = (it.unit.uid, id(it.opt), id(it.group))
-            b = buckets.get(key)
-            if b is None:
-                b = buckets[key] = _Bucket(it.opt, it.group)
-            b.items.append(it)
-            it.bucket = b
-
-    def _twin(self, b: _Bucket) -> Any:
-        """An optimizer of the same kind over the bucket's masters (None: this optimizer cannot be twinned)."""
-        if b.twin is None:
-            opt = b.opt
-            for it in b.items:
-                it.twin_param = nn.Parameter(it.master, requires_grad=True)
-            params = [it.twin_param for it in b.items]
-            twin = None
-            if self.fused and type(opt) in _FUSABLE and not b.group.get("differentiable"):
-                try:
-                    hp = {k: v for k, v in b.group.items() if k not in _NOT_COPIED}
-                    twin = type(opt)([dict(hp, params=params)], fused=True)
-                except (RuntimeError, TypeError, ValueError) as exc:
-                    log.info("fused CPU %s unavailable (%s); using the optimizer's own kernel", type(opt).__name__, exc)
-            if twin is None:
-                try:
-                    twin = type(opt)([dict({k: v for k, v in b.group.items() if k != "params"}, params=params)])
-                except Exception as exc:  # a custom optimizer: its own step() steps the masters
-                    log.info("cannot step %s per unit (%s); it steps inside optimizer.step()", type(opt).__name__, exc)
-                    twin = False
-            if twin:
-                _TWINS.add(twin)
-            b.twin = twin
-        return b.twin or None
-
-    def _step(self, b: _Bucket, grads: dict[int, torch.Tensor]) -> None:
-        """Step the bucket's parameters that have a gradient in ``grads`` (by id of the item)."""
-        twin = self._twin(b)
-        fused_here = twin.param_groups[0].get("fused") and not b.group.get("fused")
-        skip = _NOT_COPIED if fused_here else ("params",)
-        twin.param_groups[0].update({k: v for k, v in b.group.items() if k not in skip})
-        stepped = []
-        for it in b.items:
-            g = grads.get(id(it))
-            if g is None:
-                continue
-            state = b.opt.state[it.param]  # the optimizer's own entry: its state_dict() saves it
-            for k, v in list(state.items()):
-                if isinstance(v, torch.Tensor) and v.device != it.master.device:  # loaded onto the placeholder's device
-                    state[k] = v.to(it.master.device, torch.float32 if k == "step" or v.is_floating_point() else v.dtype)
-            twin.state[it.twin_param] = state
-            it.twin_param.grad = g if g.dtype == it.master.dtype else g.to(it.master.dtype)
-            stepped.append(it)
-        if not stepped:
-            return
-        twin.step()
-        for it in stepped:
-            it.twin_param.grad = None
-            it.stepped = True
 
     def _start_overlap(self, why: str) -> None:
         self.overlap = True
@@ -298,7 +188,7 @@ class OptimizerOffload:
         def hook(p: torch.Tensor) -> None:
             self = me()
             if self is not None:
-                self._grad_ready(self._by_id[key], p)
+                self._grad_ready(self.stepper.by_id[key], p)
 
         return hook
 
@@ -335,8 +225,8 @@ class OptimizerOffload:
         it.landed += 1
         b = it.bucket
         if (self.overlap and b is not None and it.landed == self.target
-                and all(x.landed == self.target and not x.stepped for x in b.items) and self._twin(b) is not None):
-            self._step(b, {id(x): x.staging if x.grad_in == "staging" else x.acc for x in b.items})
+                and all(x.landed == self.target and not x.stepped for x in b.items) and self.stepper.twin(b) is not None):
+            self.stepper.step(b, {id(x): x.staging if x.grad_in == "staging" else x.acc for x in b.items})
 
     # ------------------------------------------------------------------ step boundaries
     def after_backward(self) -> None:
@@ -353,7 +243,7 @@ class OptimizerOffload:
         return g is not it.given or (g is not None and g._version != it.version)
 
     def _before_step(self, opt: torch.optim.Optimizer) -> None:
-        if not self._adopt(opt):
+        if not self.stepper.adopt(opt):
             return
         self.worker.wait()
         if not self._on_host and any(it.grad_in is not None for it in self.items):
@@ -370,9 +260,9 @@ class OptimizerOffload:
                     "(clip_grad_norm_, unscaling?) after its step had already run during backward; pass "
                     "overlap_optimizer_step=False to the manager to clip before every step")
         for b in {id(it.bucket): it.bucket for it in mine}.values():
-            if self._twin(b) is None:
+            if self.stepper.twin(b) is None:
                 continue  # the optimizer's own step() steps these masters
-            self._step(b, {id(it): it.param.grad for it in b.items if not it.stepped and it.param.grad is not None})
+            self.stepper.step(b, {id(it): it.param.grad for it in b.items if not it.stepped and it.param.grad is not None})
             for it in b.items:
                 if it.stepped:
                     self._hide(it)
@@ -386,7 +276,7 @@ class OptimizerOffload:
                 self.overlap = False
                 self.overlap_note = f"off: the gradients change between after_backward() and step() ({changed[0]})"
                 self.overlap_setting = False
-        elif not self.overlap and self.overlap_setting is not False and all(self._twin(it.bucket) for it in mine):
+        elif not self.overlap and self.overlap_setting is not False and all(self.stepper.twin(it.bucket) for it in mine):
             self._start_overlap(f"on from step {self.steps + 2}: {self.target} gradient(s) per step, none changed "
                                 "before step()")
         self.steps += 1
@@ -428,7 +318,7 @@ class OptimizerOffload:
         # The host masters changed: cached device copies of these units are stale.
         for u in {id(it.unit): it.unit for it in self.items}.values():
             self.engine.invalidate(u.uid)
-        self._regroup()
+        self.stepper.regroup()
         self._on_host = False
 
     def _flush(self) -> None:
@@ -445,8 +335,7 @@ class OptimizerOffload:
                 it.master.copy_(self.engine.store.view(unit, index))
 
     def stats(self) -> dict[str, Any]:
-        kernels = {("fused" if b.twin.defaults.get("fused") else "own") if b.twin else "optimizer.step()"
-                   for b in {id(it.bucket): it.bucket for it in self.items if it.bucket}.values() if b.twin is not None}
+        kernels = self.stepper.kernels()
         return {
             "optimizer_offload": True,
             "optimizer_step_overlapped": self.overlap,

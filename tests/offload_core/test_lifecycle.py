@@ -200,3 +200,82 @@ def test_enabling_a_model_whose_submodule_is_offloaded_is_refused() -> None:
     h.remove()
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# ---------------------------------------------------------------- the host-store seam
+class SlowStore:
+    """A HostStore over a PinnedArena whose non-blocking acquires miss every other time, as a disk
+    store's would while a read is still in flight; it records what the engine asks."""
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+        self.calls: list[tuple] = []
+        self.held: set[int] = set()
+        self.traces: list[list[int]] = []
+        self._flip = False
+
+    pinned = property(lambda self: self.arena.pinned)
+    capacity_bytes = property(lambda self: self.arena.capacity_bytes)
+    used_bytes = property(lambda self: self.arena.used_bytes)
+
+    def plan(self, trace) -> None:
+        self.traces.append(list(trace))
+
+    def acquire(self, uid: int, *, block: bool = True):
+        self._flip = not self._flip
+        if not block and self._flip:
+            self.calls.append(("miss", uid))
+            return None
+        assert uid not in self.held, "acquired twice without a release"
+        self.held.add(uid)
+        self.calls.append(("acquire", uid))
+        return self.arena.acquire(uid)
+
+    def release(self, uid: int, after=None) -> None:
+        self.held.discard(uid)
+        self.calls.append(("release", uid))
+
+    def master(self, uid: int):
+        return self.arena.master(uid)
+
+    def view(self, unit, index: int):
+        return self.arena.view(unit, index)
+
+    def stats(self) -> dict:
+        return {"store_misses": sum(1 for c in self.calls if c[0] == "miss")}
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def test_a_second_host_store_plugs_in_without_engine_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload_core.engine import OffloadEngine
+    from offload_core.store import HostStore
+
+    made: list[SlowStore] = []
+    original = OffloadEngine._make_store
+
+    def make(self):
+        made.append(SlowStore(original(self)))
+        return made[-1]
+
+    monkeypatch.setattr(OffloadEngine, "_make_store", make)
+    case = CASES["batchnorm"]  # running stats: write-back goes through master()
+    ref = case.build("adapter", checkpointing=True)
+    off = copy.deepcopy(ref)
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
+    store = made[0]
+    assert isinstance(store, HostStore)
+    want = train(case, ref, make_optimizer(ref), steps=4)
+    got = train(case, off, make_optimizer(off), steps=4, after_backward=mgr.after_backward)
+    from offload_core_test_models import assert_traces_equal
+
+    assert_traces_equal(want, got)
+    kinds = {c[0] for c in store.calls}
+    assert {"acquire", "release", "miss"} <= kinds, kinds
+    assert not store.held, "a slab was never released"
+    assert store.traces and store.traces[0] == list(mgr.engine.schedule.trace)
+    assert mgr.stats()["store_misses"] > 0  # the store's stats() reach handle.stats()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, off.state_dict()[k]), k
+    mgr.remove()
