@@ -106,12 +106,7 @@ def build_flux_lora(config: dict[str, Any], num_layers: int, num_single_layers: 
 
     model = build_flux(config, num_layers, num_single_layers, dtype, seed)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=FLUX_LORA_TARGETS))
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(dtype)
-                p.requires_grad_(True)
+    _fill_lora_(model, dtype, seed + 1)
     model.enable_gradient_checkpointing()
     return model.train()
 
@@ -174,14 +169,18 @@ def build_dit_lora(
     _materialize(model, dtype, seed).requires_grad_(False)
     cfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
     inject_adapter_in_model(cfg, model)
-    gen = torch.Generator().manual_seed(seed + 1)
+    _fill_lora_(model, lora_dtype, seed + 1)
+    return model.train()
+
+
+def _fill_lora_(model: nn.Module, dtype: torch.dtype, seed: int) -> None:
+    """Every LoRA weight random in ``dtype`` and trainable (B nonzero too, so LoRA shapes the first loss)."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                # B nonzero too, so LoRA shapes the very first loss.
-                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(lora_dtype)
+                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(dtype)
                 p.requires_grad_(True)
-    return model.train()
 
 
 # ---- P3: DiffSynth's linear toy ---------------------------------------------------------------

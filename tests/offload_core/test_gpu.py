@@ -11,52 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from offload_core import OffloadTrainingManager, enable_offload
+from offload_core_test_models import DiT
+from offload_core_test_models import add_dit_lora as _lora
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
-
-
-class DiTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
-        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(d, d) for _ in range(4))
-        self.norm2 = nn.LayerNorm(d, elementwise_affine=False)
-        self.ff_in = nn.Linear(d, 4 * d)
-        self.ff_out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        h = self.norm1(x)
-        q, k, v = (f(h).view(b, n, self.heads, d // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        x = x + self.to_out(a)
-        return x + self.ff_out(F.gelu(self.ff_in(self.norm2(x))))
-
-
-class DiT(nn.Module):
-    def __init__(self, d: int, heads: int, depth: int, ckpt: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(DiTBlock(d, heads) for _ in range(depth))
-        self.ckpt = ckpt
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
-        return x
-
-
-def _lora(model: nn.Module, r: int) -> None:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    model.requires_grad_(False)
-    cfg = LoraConfig(r=r, lora_alpha=r, init_lora_weights="gaussian",
-                     target_modules=["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"])
-    inject_adapter_in_model(cfg, model)
 
 
 def _frozen_bytes(model: nn.Module) -> int:

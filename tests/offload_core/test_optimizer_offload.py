@@ -180,13 +180,14 @@ def _side_by_side(steps: int, before_step=None, make_scheduler=None, kernel: str
     sched_r = make_scheduler(opt_r) if make_scheduler else None
     sched_o = make_scheduler(opt_o) if make_scheduler else None
     for step in range(steps):
+        losses: dict[bool, torch.Tensor] = {}
         for model, opt, sched, offloaded in ((ref, opt_r, sched_r, False), (off, opt_o, sched_o, True)):
-            losses = []
+            micro_losses = []
             for micro in range(accum_at(step)):
                 seed = 1000 + 10 * step + micro
                 loss = case.loss(case.forward(model, case.make_inputs(seed)), seed)
                 loss.backward()
-                losses.append(loss.detach())
+                micro_losses.append(loss.detach())
             if offloaded and not forget_after_backward:
                 mgr.after_backward()
             if before_step is not None:
@@ -195,10 +196,8 @@ def _side_by_side(steps: int, before_step=None, make_scheduler=None, kernel: str
             opt.zero_grad()
             if sched is not None:
                 sched.step()
-            if offloaded:
-                assert torch.equal(torch.stack(losses), want), f"step {step}: loss differs"
-            else:
-                want = torch.stack(losses)
+            losses[offloaded] = torch.stack(micro_losses)
+        assert torch.equal(losses[False], losses[True]), f"step {step}: loss differs"
     stats = mgr.stats()
     mgr.remove()
     for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
