@@ -158,8 +158,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
             log(f"    {status}")
             rows.append(row)
+            if args.json_path:  # after each variant, so a run cut short still leaves its results
+                derive(rows, metas, ceiling)
+                _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows,
+                                             "partial": True})
         del master, inputs
-        if args.json_path:  # after each workload, so a run cut short still leaves its results
+        if args.json_path:
             derive(rows, metas, ceiling)
             _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows, "partial": True})
     derive(rows, metas, ceiling)
