@@ -35,6 +35,15 @@ _NOT_COPIED = ("params", "fused", "foreach", "capturable", "differentiable")
 TWINS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
+def _fused_on_cpu() -> bool:
+    """Whether this torch has fused Adam/AdamW kernels for CPU tensors (2.4 on)."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:
+        return False
+    return "cpu" in _get_fused_kernels_supported_devices()
+
+
 class Bucket:
     """The streamed parameters of one unit in one param group: one twin steps them together."""
 
@@ -102,7 +111,7 @@ class CpuStepper:
                 it.twin_param = nn.Parameter(it.master, requires_grad=True)
             params = [it.twin_param for it in b.items]
             twin = None
-            if self.fused and type(opt) in _FUSABLE and not b.group.get("differentiable"):
+            if self.fused and type(opt) in _FUSABLE and not b.group.get("differentiable") and _fused_on_cpu():
                 try:
                     hp = {k: v for k, v in b.group.items() if k not in _NOT_COPIED}
                     twin = type(opt)([dict(hp, params=params)], fused=True)
