@@ -191,6 +191,15 @@ class OffloadSpec(_Strict):
     max_memory: Optional[Bytes] = Field(None, description="CPU cache budget in bytes or a size.")
     enable_optimizer_cpu_offload: Optional[bool] = None
     weight_dtype: Optional[str] = Field(None, description="Storage dtype, e.g. float8_e4m3fn.")
+    vram_margin: Optional[Bytes] = Field(
+        None, description="VRAM the ring's growth leaves free (default the larger of 512 MiB and 5% of the card).")
+    overlap_optimizer_step: Optional[bool] = Field(
+        None, description="Optimizer offload: step each unit on the CPU while backward goes on (default: on once it is safe).")
+    fused_cpu_optimizer: Optional[bool] = Field(
+        None, description="Optimizer offload: torch's fused CPU Adam/AdamW (false: bitwise equal to the plain kernel).")
+    split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
+    treat_as_inference: Optional[bool] = Field(
+        None, description="Stream every weight as frozen (default: when no parameter is frozen).")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keys the user set, ready for `enable_offload(model, **kwargs)`."""

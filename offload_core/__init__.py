@@ -12,18 +12,26 @@ from __future__ import annotations
 from .api import OffloadHandle, enable_offload
 from .config import Granularity, OffloadConfig, parse_bytes
 from .errors import (
+    AlreadyOffloadedError,
     DeviceUnavailableError,
+    LossyStorageWarning,
     NotAModuleError,
     OffloadConfigError,
     OffloadError,
     OptimizerMismatchError,
+    OptimizerOverlapError,
     ShardError,
+    VramBudgetError,
 )
+from .store import HostStore
 from .training import OffloadTrainingManager
 
 __all__ = [
+    "AlreadyOffloadedError",
     "DeviceUnavailableError",
     "Granularity",
+    "HostStore",
+    "LossyStorageWarning",
     "NotAModuleError",
     "OffloadConfig",
     "OffloadConfigError",
@@ -31,7 +39,9 @@ __all__ = [
     "OffloadHandle",
     "OffloadTrainingManager",
     "OptimizerMismatchError",
+    "OptimizerOverlapError",
     "ShardError",
+    "VramBudgetError",
     "enable_offload",
     "parse_bytes",
 ]
