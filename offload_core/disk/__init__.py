@@ -1,0 +1,23 @@
+"""offload_core.disk: the disk tier. Shards whose layout is the slab layout, read into a bounded cache.
+
+    format    the shard directory and index.json (version 2)
+    source    a safetensors checkpoint read tensor by tensor into the caller's memory
+    grouping  which unit each checkpoint tensor belongs to (units.py decides)
+    write     shard_checkpoint (from a checkpoint) and shard_model (offload_to_disk)
+    verify    verify_shards
+"""
+
+from __future__ import annotations
+
+from .errors import (ShardChecksumError, ShardError, ShardFormatError, ShardMismatchError, ShardReadError,
+                     ShardSourceNotFound, ShardWriteError)
+from .format import FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, ShardIndex, load_index
+from .source import SafetensorsSource
+from .verify import verify_shards
+from .write import free_host_copies, shard_checkpoint, shard_model
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "INDEX_NAME", "NON_BLOCK_FILE", "SafetensorsSource", "ShardChecksumError",
+    "ShardError", "ShardFormatError", "ShardIndex", "ShardMismatchError", "ShardReadError", "ShardSourceNotFound",
+    "ShardWriteError", "free_host_copies", "load_index", "shard_checkpoint", "shard_model", "verify_shards",
+]
