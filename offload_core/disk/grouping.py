@@ -62,10 +62,8 @@ def storage_for(dtype: torch.dtype, shape: list[int], is_param: bool, target: to
 
 
 def skeleton(tensors: dict[str, SourceTensor]) -> nn.Module:
-    """Empty meta-device modules shaped after the tensor names; digit children make ModuleLists.
-
-    Within a module, ``weight`` then ``bias`` come first, as torch's own modules register them.
-    """
+    """Empty meta-device modules shaped after the tensor names (in natural order); digit children
+    make ModuleLists. A model's own order may differ inside a unit: ``bind_units`` takes the index's."""
     tree: dict[str, Any] = {}
     for name in sorted(tensors, key=_natural):  # blocks.2 before blocks.10; lists in name order
         node = tree
@@ -86,9 +84,7 @@ def skeleton(tensors: dict[str, SourceTensor]) -> nn.Module:
                 lst[int(k)] = build(v)
             return lst
         m = nn.Module()
-        leaves = [k for k, v in node.items() if not isinstance(v, dict)]
-        leaves.sort(key=lambda k: {"weight": 0, "bias": 1}.get(k, 2))
-        for k in leaves:
+        for k in [k for k, v in node.items() if not isinstance(v, dict)]:
             t = tensors[node[k]]
             m.register_parameter(k, nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False))
         for k, v in children.items():

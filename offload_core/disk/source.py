@@ -65,10 +65,7 @@ def source_files(src: Path) -> tuple[list[Path], Path | None]:
     if indexes:
         preferred = src / "diffusion_pytorch_model.safetensors.index.json"
         index = preferred if preferred in indexes else indexes[0]  # the others are variants (fp16, ...)
-        try:
-            weight_map = read_json(index).get("weight_map")
-        except ShardError as exc:
-            raise ShardError(str(exc)) from None
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ShardError(f"{index}: no weight_map (not a safetensors index)")
         files = [src / f for f in dict.fromkeys(weight_map.values())]
@@ -171,6 +168,7 @@ class SafetensorsSource:
         self.chunk_bytes = chunk_bytes
         self.tensors: dict[str, SourceTensor] = {}
         self._fds: dict[Path, int] = {}
+        self._tmp: torch.Tensor | None = None
         self.bytes_read = 0
         for path in files:
             for name, t in _header(path).items():
@@ -212,6 +210,7 @@ class SafetensorsSource:
 
     def close(self) -> None:
         self.release()
+        self._tmp = None
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of its shape; any dtype)."""
@@ -222,9 +221,13 @@ class SafetensorsSource:
         if out.dtype == t.dtype:
             pread_exact(fd, writable_buffer(out), t.start, t.file, f"tensor {name}")
         else:
-            # Through a bounded temporary, a whole number of elements at a time.
+            # Through one reused, bounded temporary, a whole number of elements at a time (a fresh
+            # one per tensor would leave glibc holding several of them).
             step = max(1, self.chunk_bytes // t.dtype.itemsize)
-            tmp = torch.empty(min(step, t.numel), dtype=t.dtype)
+            need = min(step, t.numel) * t.dtype.itemsize
+            if self._tmp is None or self._tmp.numel() < need:
+                self._tmp = torch.empty(max(need, min(self.chunk_bytes, 1 << 20)), dtype=torch.uint8)
+            tmp = self._tmp[:need].view(t.dtype)
             flat = out.view(-1)
             for i in range(0, t.numel, step):
                 n = min(step, t.numel - i)

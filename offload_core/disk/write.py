@@ -464,14 +464,18 @@ def shard_model(
 
 
 def free_host_copies(units: list[Unit]) -> int:
-    """Let go of the RAM copy of every unit tensor (after ``shard_model``); returns the bytes freed."""
+    """Let go of the RAM copy of every unit tensor (after ``shard_model``); returns the bytes freed.
+
+    Each tensor keeps its object and gets 0-element data (as the engine's placeholders), so
+    references to the Parameters (an optimizer, peft) stay valid.
+    """
     freed = 0
     for u in units:
         for ts in u.tensors:
             t = ts.tensor()
             if t is not None and t.device.type == "cpu" and t.numel():
                 freed += t.numel() * t.element_size()
-                t.data = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                t.data = torch.empty(0, dtype=t.dtype)
     from ..arena import trim_host_heap
 
     trim_host_heap()
