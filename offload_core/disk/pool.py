@@ -5,8 +5,8 @@ registration, no per-slab pinning, which costs 0.6 s/GB and rounds to powers of 
 pinned allocator). Slabs start at 4096-byte multiples and are whole multiples of 4096 long, which
 is what O_DIRECT asks of a read's buffer and length.
 
-The registration is undone by a finalizer tied to the buffer, before its memory is freed, whether
-or not ``close()`` is called: freeing registered memory leaves CUDA holding a stale mapping.
+The registration is undone by the buffer's finalizer before its memory is freed, whether or not
+``close()`` is called: freeing registered memory leaves CUDA holding a stale mapping.
 """
 
 from __future__ import annotations
@@ -17,30 +17,50 @@ import weakref
 
 import torch
 
-from ..arena import host_buffer
 from .format import FILE_ALIGN, align
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "trim_host_heap"]
 
 log = logging.getLogger(__name__)
 
+try:  # offload_core part 3: registered host buffers with a finalizer and CUDA error clearing
+    from ..hostmem import HostBuffer, trim_host_heap
+except ImportError:  # until it is merged: the same contract, kept here (delete this branch then)
+    from ..arena import host_buffer, trim_host_heap
 
-def _register(buf: torch.Tensor) -> bool:
-    if not torch.cuda.is_available() or not buf.numel():
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-    if int(err) != 0:
-        log.warning("cudaHostRegister failed (%s) for the %d-byte disk cache; reading into pageable memory",
-                    err, buf.numel())
-        return False
-    return True
+    def _release(reg: list) -> None:
+        if reg[0]:
+            reg[0] = False
+            torch.cuda.synchronize()  # no copy still reads the pages as they stop being pinned
+            torch.cuda.cudart().cudaHostUnregister(reg[1])
 
+    class HostBuffer:  # type: ignore[no-redef]
+        def __init__(self, nbytes: int, *, pin: bool = False) -> None:
+            self.tensor, self._raw = host_buffer(nbytes)
+            self.nbytes = nbytes
+            self._reg = [False, self.tensor.data_ptr()]
+            self._finalizer = weakref.finalize(self, _release, self._reg)  # holds the address, not the buffer
+            self._finalizer.atexit = False
+            if pin:
+                self.pin()
 
-def _release(raw: torch.Tensor, ptr: int, registered: list[bool]) -> None:
-    if registered[0]:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-        registered[0] = False
-    del raw  # the memory goes only after the unregistration
+        @property
+        def pinned(self) -> bool:
+            return self._reg[0]
+
+        def pin(self) -> bool:
+            if self._reg[0] or not self.nbytes or not torch.cuda.is_available():
+                return self._reg[0]
+            err = int(torch.cuda.cudart().cudaHostRegister(self._reg[1], self.nbytes, 0))
+            if err != 0:
+                log.warning("cudaHostRegister of a %d-byte disk cache failed (%s); reading into pageable memory",
+                            self.nbytes, err)
+                return False
+            self._reg[0] = True
+            return True
+
+        def close(self) -> None:
+            self._finalizer()
 
 
 class HostPool:
@@ -48,16 +68,14 @@ class HostPool:
 
     def __init__(self, nbytes: int, *, pin: bool) -> None:
         self.capacity_bytes = align(nbytes)
-        buf, raw = host_buffer(max(self.capacity_bytes, FILE_ALIGN))
-        self.buf = buf[: self.capacity_bytes]
-        self._registered = [bool(pin) and _register(buf)]
-        self._finalizer = weakref.finalize(self, _release, raw, buf.data_ptr(), self._registered)
+        self._host = HostBuffer(self.capacity_bytes, pin=pin)
+        self.buf = self._host.tensor
         self._free: list[tuple[int, int]] = [(0, self.capacity_bytes)] if self.capacity_bytes else []  # (start, end)
         self.used_bytes = 0
 
     @property
     def pinned(self) -> bool:
-        return self._registered[0]
+        return self._host.pinned
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a free block of align(nbytes) bytes, or None when no free run is that long."""
@@ -94,4 +112,4 @@ class HostPool:
     def close(self) -> None:
         self._free = []
         self.buf = torch.empty(0, dtype=torch.uint8)
-        self._finalizer()
+        self._host.close()

@@ -415,6 +415,8 @@ class DiskStore:
     direct: O_DIRECT on (True), off (False) or where it works (None).
     """
 
+    filled = True  # the shards hold every unit's bytes: the engine packs nothing into this store
+
     def __init__(self, units: Sequence[Unit], index: ShardIndex, entries: dict[int, SlabEntry], *,
                  max_memory: int = 0, num_disk_workers: int = 2, stream_slots: int | None = None,
                  policy: str = "belady", pin: bool = False, verify: bool = False, direct: bool | None = None) -> None:
@@ -453,8 +455,8 @@ class DiskStore:
         return self._core.master(uid)
 
     def view(self, unit: Unit, index: int) -> torch.Tensor:
-        """One tensor's host value, typed and shaped: a view for a kept unit, else a copy (the cache may
-        let the slab go), read from disk when it is not in memory."""
+        """One tensor's host value, typed and shaped: a view into the slab of a kept unit (``master``
+        first, to write), else a copy (the cache may let the slab go), read from disk when not in memory."""
         return self._core.view(unit, index)
 
     def stats(self) -> dict[str, Any]:

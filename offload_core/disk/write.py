@@ -476,7 +476,7 @@ def free_host_copies(units: list[Unit]) -> int:
             if t is not None and t.device.type == "cpu" and t.numel():
                 freed += t.numel() * t.element_size()
                 t.data = torch.empty(0, dtype=t.dtype)
-    from ..arena import trim_host_heap
+    from .pool import trim_host_heap
 
     trim_host_heap()
     return freed

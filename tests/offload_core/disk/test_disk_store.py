@@ -324,25 +324,27 @@ def test_a_unit_file_deleted_mid_run(tmp_path: Path, stack: tuple) -> None:
         store.close()
 
 
-def test_close_while_reading_and_drop_without_close(stack: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_while_reading_and_drop_without_close(stack: tuple) -> None:
     model, plan, index = stack
     units = block_units(plan)
-    before = threading.active_count()
     store = open_store(model, units, index, 0.5, num_disk_workers=3)
+    threads = list(store._core.workers)
+    assert len(threads) == 3 and all(t.is_alive() for t in threads)
     store.plan([u.uid for u in units])
     t0 = time.monotonic()
     store.close()  # reads in flight: they finish or are dropped, the workers end
-    assert time.monotonic() - t0 < 10 and threading.active_count() == before
+    assert time.monotonic() - t0 < 10 and not any(t.is_alive() for t in threads)
     store.close()  # twice is fine
     store = open_store(model, units, index, 0.5, num_disk_workers=3)
+    threads = list(store._core.workers)
     store.plan([u.uid for u in units])
     one_pass(store, units)
     del store  # dropped without close(): the finalizer stops the workers and frees the pool
     gc.collect()
     deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert threading.active_count() == before
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_stats_name_what_the_issue_asks_for(stack: tuple) -> None:
