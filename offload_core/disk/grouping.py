@@ -14,7 +14,7 @@ non-persistent buffers) are written as the index's ``resident`` tensors.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ class Grouping:
     granularity: str  # resolved (auto -> block or leaf)
     kind: str  # "model" (built from config.json) or "names" (a skeleton)
     model_class: str | None = None
-    is_param: dict[str, bool] = field(default_factory=dict)
 
 
 def tensor_names(model: nn.Module) -> dict[tuple[int, str], str]:
@@ -151,15 +150,12 @@ def group_checkpoint(tensors: dict[str, SourceTensor], granularity: Granularity,
         for ts, n in zip(u.tensors, tnames):
             ts.dtype = tensors[n].dtype  # laid out for the checkpoint's dtype: the one the model computes in
             ts.store_dtype = storage_for(ts.dtype, list(ts.shape), ts.is_param, target)
-            out.is_param[n] = ts.is_param
         u.layout()
         u.uid = len(out.units)
         out.units.append(u)
         out.names[u.uid] = tnames
         in_unit.update(tnames)
     out.resident = [n for n in tensors if n not in in_unit]
-    for n in out.resident:
-        out.is_param.setdefault(n, True)
     return out
 
 

@@ -23,9 +23,12 @@ and ``weight_dtype``'s storage dtypes are set, and *before* the resident tensors
 Two rules for the rest of the engine, because a disk store's ``view()`` of a unit it does not keep
 is a *copy* (the cache may let the slab go at any time):
 
-- before writing into ``store.view(u, i)`` (``write_master``/``load_state_dict``, the optimizer's
-  masters at setup), call ``store.master(u.uid)``: the unit is then kept and ``view`` is a view
-  into its kept slab, so the write stays;
+- before writing into ``store.view(u, i)``, call ``store.master(u.uid)``: the unit is then kept and
+  ``view`` is a view into its kept slab, so the write stays. Two places: ``write_master``
+  (``load_state_dict``), right after its ``self.transfer.synchronize()``, and ``OptimizerOffload``'s
+  setup, before ``view = engine.store.view(it.unit, it.index)``. (For the PinnedArena ``master``
+  is a lookup, so both cost nothing there.) Without them a ``load_state_dict`` into a lazily loaded
+  model would be lost silently;
 - ``remove()`` reads every unit back through ``view`` (from disk where not cached): a model built
   on the meta device then holds its weights in RAM, as after a plain ``from_pretrained``.
 

@@ -251,7 +251,7 @@ class _Core:
         """Move the trace position to this use of uid: its first occurrence after a short window behind
         the position (the engine may take a prefetch a little out of order), never backwards."""
         if self.trace.length:
-            q = self.trace.after(uid, self.pos - self.lookahead)
+            q = self.trace.after(uid, max(self.pos - self.lookahead, -1))
             if q != float("inf") and q > self.pos:
                 self.pos = int(q)
 
@@ -424,6 +424,7 @@ class DiskStore:
         self._core = _Core(units, entries, index, max_memory=int(max_memory or 0), num_disk_workers=num_disk_workers,
                            stream_slots=stream_slots, policy=policy, pin=pin, verify=verify, direct=direct)
         self._finalizer = weakref.finalize(self, _Core.close, self._core)
+        self._finalizer.atexit = False  # at exit the process's memory, threads and registrations end with it
 
     @property
     def pinned(self) -> bool:

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -144,32 +144,14 @@ def _write_zeros(f: Any, n: int, digest: Any = None) -> None:
         n -= k
 
 
-def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
-    """Write one shard file, tensor by tensor, in file order; fills each slab's sha256 and scales."""
-    path = dst / plan.name
+@contextlib.contextmanager
+def _atomic(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path`` through ``<path>.tmp``, fsync and rename. On any failure the temp file goes, and
+    an OSError (a full disk) becomes a ShardWriteError naming ``path``."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(plan.header)))
-            f.write(plan.header)
-            pos = plan.data_start
-            for s in plan.slabs:
-                _write_zeros(f, s.offset - pos)
-                digest = hashlib.sha256()
-                at = 0
-                for t in sorted(s.tensors, key=lambda t: t.offset):
-                    _write_zeros(f, t.offset - at, digest)
-                    buf = torch.empty(t.shape, dtype=t.dtype)
-                    t.scale = produce(t, buf)
-                    data = writable_buffer(buf)
-                    digest.update(data)
-                    f.write(data)
-                    del data, buf
-                    at = t.offset + t.nbytes
-                _write_zeros(f, s.nbytes - at, digest)
-                s.sha256 = digest.hexdigest()
-                pos = s.offset + s.nbytes
-            _write_zeros(f, plan.nbytes - pos)
+            yield f
             f.flush()
             os.fsync(f.fileno())
             drop_page_cache(tmp, f.fileno())
@@ -180,6 +162,31 @@ def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
         if isinstance(exc, OSError) and not isinstance(exc, ShardError):
             raise _write_error(path, exc) from None
         raise
+
+
+def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
+    """Write one shard file, tensor by tensor, in file order; fills each slab's sha256 and scales."""
+    with _atomic(dst / plan.name) as f:
+        f.write(struct.pack("<Q", len(plan.header)))
+        f.write(plan.header)
+        pos = plan.data_start
+        for s in plan.slabs:
+            _write_zeros(f, s.offset - pos)
+            digest = hashlib.sha256()
+            at = 0
+            for t in sorted(s.tensors, key=lambda t: t.offset):
+                _write_zeros(f, t.offset - at, digest)
+                buf = torch.empty(t.shape, dtype=t.dtype)
+                t.scale = produce(t, buf)
+                data = writable_buffer(buf)
+                digest.update(data)
+                f.write(data)
+                del data, buf
+                at = t.offset + t.nbytes
+            _write_zeros(f, s.nbytes - at, digest)
+            s.sha256 = digest.hexdigest()
+            pos = s.offset + s.nbytes
+        _write_zeros(f, plan.nbytes - pos)
 
 
 def _slab_sha256(path: Path, s: SlabEntry) -> str:
@@ -225,19 +232,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(exc, OSError) and not isinstance(exc, ShardError):
-            raise _write_error(path, exc) from None
-        raise
+    with _atomic(path) as f:
+        f.write(data)
 
 
 def _prepare_dst(dst: Path, src: Path | None) -> None:
@@ -365,9 +361,10 @@ def shard_checkpoint(
         for u in grouping.units:
             block = block_of(u.name, grouping.block_lists)
             entries.append(_unit_entry(u.name, file_name(block) if block else NON_BLOCK_FILE, u, grouping.names[u.uid]))
+        # Resident tensors (tied, or outside any whole unit) never go fp8: the engine keeps them in their dtype.
         resident = _packed_entry("<resident>", NON_BLOCK_FILE, [
             (n, source.tensors[n].dtype, source.tensors[n].shape,
-             storage_for(source.tensors[n].dtype, source.tensors[n].shape, grouping.is_param.get(n, True), target))
+             storage_for(source.tensors[n].dtype, source.tensors[n].shape, False, target))
             for n in grouping.resident])
         plans = _plan_files(entries, resident)
         _prepare_dst(dst_p, src_p)

@@ -181,6 +181,23 @@ def test_trace_positions_the_engine_never_asks_for_are_learned(stack: tuple) -> 
         store.close()
 
 
+def test_the_position_follows_a_first_use_in_mid_trace(stack: tuple) -> None:
+    """plan() comes at a cycle's start, but the first unit the engine asks for may be mid-trace."""
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=3)
+    try:
+        store.plan([u.uid for u in units])
+        one_pass(store, units[20:])
+        for _ in range(3):
+            one_pass(store, units)
+        s = store.stats()
+        assert s["disk_wasted_reads"] <= 6  # the reads made at plan() for the first positions, no more
+        assert s["disk_cache_misses"] == 20 + 3 * len(units)
+    finally:
+        store.close()
+
+
 # ------------------------------------------------------------------ kept units
 
 
