@@ -104,7 +104,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     torch.save(ref.cpu(), root / "reference.pt")
     lora_resident_s = None
     if args.lora:
-        lora_resident_s = _lora_steps(model, x, 1, args.device)[0]
+        lora_resident_s = min(_lora_steps(model, x, 2, args.device))
     del model, ref
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -164,9 +164,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(lora, strict=False, assign=True)
         for n, p in model.named_parameters():
             p.requires_grad_("lora" in n)
+    import dataclasses
+
+    from offload_core import OffloadConfig
+
+    extra = {}
+    if "disk_stream_slots" in {f.name for f in dataclasses.fields(OffloadConfig)}:
+        extra["disk_stream_slots"] = args.stream_slots  # staging slots of the largest unit (680 MB) on top of max_memory
     t0 = time.perf_counter()
     handle = enable_offload(model, target_device=args.device, lazy_load=True, shard_dir=str(root / "shards"),
-                            max_memory=args.max_memory, num_disk_workers=args.workers, offload_granularity="block")
+                            max_memory=args.max_memory, num_disk_workers=args.workers, offload_granularity="block",
+                            **extra)
     setup_s = time.perf_counter() - t0
     x = inputs(cfg, args.tiny, args.device, dtype)
     ref = torch.load(root / "reference.pt")
@@ -194,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny Flux dims (a check of the path, not a measurement)")
     p.add_argument("--vram-gib", type=float, default=8.0)
     p.add_argument("--max-memory", default="6GiB")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--stream-slots", type=int, default=3,
+                   help="staging slots on top of max_memory (each the largest unit: 680 MB at Flux-dev dims)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lora", action="store_true", help="LoRA training steps instead of inference passes")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     prep = prepare(args)
     cmd = [sys.executable, "-m", "bench.disk_box", "--child", "--dir", args.dir, "--device", args.device,
            "--vram-gib", str(args.vram_gib), "--max-memory", args.max_memory, "--workers", str(args.workers),
+           "--stream-slots", str(args.stream_slots),
            "--steps", str(args.steps), *(["--tiny"] if args.tiny else []), *(["--lora"] if args.lora else [])]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if run.returncode != 0:

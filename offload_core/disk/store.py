@@ -52,6 +52,7 @@ class _Unit:
     holds: int = 0
     events: list = field(default_factory=list)  # copies out of the slab still in flight
     for_pos: int = -1  # the trace position the read was made for
+    learn: bool = False  # read ahead once the position was known: an unused read teaches a skip
     kept: bool = False
 
     @property
@@ -67,7 +68,8 @@ class _Core:
                  direct: bool | None) -> None:
         self.reader = UnitReader(index, direct=direct, verify=verify)
         self.units = {u.uid: _Unit(u, entries[u.uid]) for u in units}
-        self.cache = SlabCache(max_memory, policy, pin=pin)
+        streamed = sum(entries[u.uid].read_nbytes for u in units)
+        self.cache = SlabCache(min(max_memory, streamed), policy, pin=pin)  # never more than the model needs
         largest = max((e.read_nbytes for e in entries.values()), default=0)
         self.n_stream = stream_slots if stream_slots is not None else num_disk_workers + 2
         self.stream = HostPool(max(self.n_stream, 1) * largest, pin=pin)
@@ -77,6 +79,7 @@ class _Core:
         self.error: ShardError | None = None
         self.closed = False
         self.pos = -1  # absolute trace position of the latest use
+        self.synced = False
         self.trace = NextUse([])
         self.skip: set[int] = set()  # trace positions that no acquire comes for (the engine had the unit)
         self.lookahead = max(2 * num_disk_workers, self.n_stream)
@@ -122,7 +125,7 @@ class _Core:
                 self._drop(u)
             elif u.for_pos < self.pos - self.lookahead:  # read ahead for a use that did not come
                 self.wasted_reads += 1
-                if self.trace.length:
+                if self.trace.length and u.learn:
                     self.skip.add(u.for_pos % self.trace.length)
                     self.trace = self.cache.next_use = NextUse(self.trace.trace, self.skip)
                 self._drop(u)
@@ -160,7 +163,7 @@ class _Core:
             return True
         if not self._place(u, use_at, urgent):
             return False
-        u.reading, u.fresh, u.for_pos = True, False, use_at
+        u.reading, u.fresh, u.for_pos, u.learn = True, False, use_at, self.synced
         if urgent:
             self.queue.appendleft(u.unit.uid)
         else:
@@ -243,6 +246,7 @@ class _Core:
             self.trace = NextUse([uid for uid in trace])
             self.cache.next_use = self.trace
             self.pos = -1
+            self.synced = False  # until the first use, the position is a guess (the engine may start mid-trace)
             for u in self.units.values():
                 u.for_pos = min(u.for_pos, -1)
             self._fill()
@@ -254,6 +258,7 @@ class _Core:
             q = self.trace.after(uid, max(self.pos - self.lookahead, -1))
             if q != float("inf") and q > self.pos:
                 self.pos = int(q)
+                self.synced = True
 
     def acquire(self, uid: int, block: bool) -> torch.Tensor | None:
         with self.cond:

@@ -76,6 +76,19 @@ def test_fifo_and_lru_get_about_nothing_from_a_cycle(stack: tuple, policy: str, 
         store.close()
 
 
+def test_a_cache_bigger_than_the_model_holds_just_the_model(stack: tuple) -> None:
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 4.0)
+    try:
+        assert store.stats()["disk_cache_capacity_bytes"] == sum(index.units[u.name].read_nbytes for u in units)
+        store.plan([u.uid for u in units])
+        one_pass(store, units)
+        assert _rate(store, 2, units)[0] == 1.0
+    finally:
+        store.close()
+
+
 def test_without_a_trace_the_first_units_stay(stack: tuple) -> None:
     """Before the engine has traced a cycle there is no read-ahead, and a full cache keeps what it has."""
     model, plan, index = stack
