@@ -79,6 +79,7 @@ class Masters:
         """Overwrite one tensor's host master; the device copy is dropped."""
         e, ts = self.e, u.tensors[index]
         e.transfer.synchronize()  # no copy may still be reading or writing the master
+        e.store.master(u.uid)  # the store keeps the unit from now on (a disk store's view is a copy until then)
         with torch.no_grad():
             if ts.store_dtype is not None:
                 _, ts.scale = quantize(value.detach().to("cpu", ts.dtype), ts.store_dtype, out=e.store.view(u, index))

@@ -147,6 +147,7 @@ class OptimizerOffload:
         off = 0
         for it in self.items:
             ts = it.unit.tensors[it.index]
+            engine.store.master(it.unit.uid)  # kept by the store: the view below is its slab, not a copy
             view = engine.store.view(it.unit, it.index)
             it.separate = ts.dtype != torch.float32  # the master is an fp32 copy, not the store's slab
             it.master = view.float() if it.separate else view

@@ -12,55 +12,13 @@ The registration is undone by the buffer's finalizer before its memory is freed,
 from __future__ import annotations
 
 import bisect
-import logging
-import weakref
 
 import torch
 
+from ..hostmem import HostBuffer, trim_host_heap
 from .format import FILE_ALIGN, align
 
 __all__ = ["HostPool", "trim_host_heap"]
-
-log = logging.getLogger(__name__)
-
-try:  # offload_core part 3: registered host buffers with a finalizer and CUDA error clearing
-    from ..hostmem import HostBuffer, trim_host_heap
-except ImportError:  # until it is merged: the same contract, kept here (delete this branch then)
-    from ..arena import host_buffer, trim_host_heap
-
-    def _release(reg: list) -> None:
-        if reg[0]:
-            reg[0] = False
-            torch.cuda.synchronize()  # no copy still reads the pages as they stop being pinned
-            torch.cuda.cudart().cudaHostUnregister(reg[1])
-
-    class HostBuffer:  # type: ignore[no-redef]
-        def __init__(self, nbytes: int, *, pin: bool = False) -> None:
-            self.tensor, self._raw = host_buffer(nbytes)
-            self.nbytes = nbytes
-            self._reg = [False, self.tensor.data_ptr()]
-            self._finalizer = weakref.finalize(self, _release, self._reg)  # holds the address, not the buffer
-            self._finalizer.atexit = False
-            if pin:
-                self.pin()
-
-        @property
-        def pinned(self) -> bool:
-            return self._reg[0]
-
-        def pin(self) -> bool:
-            if self._reg[0] or not self.nbytes or not torch.cuda.is_available():
-                return self._reg[0]
-            err = int(torch.cuda.cudart().cudaHostRegister(self._reg[1], self.nbytes, 0))
-            if err != 0:
-                log.warning("cudaHostRegister of a %d-byte disk cache failed (%s); reading into pageable memory",
-                            self.nbytes, err)
-                return False
-            self._reg[0] = True
-            return True
-
-        def close(self) -> None:
-            self._finalizer()
 
 
 class HostPool:
