@@ -247,7 +247,7 @@ def ours(model: BlockStack, units: list[Unit], index: ShardIndex, x: torch.Tenso
     entries = bind_units(units, index, model)
     streamed = sum(entries[u.uid].read_nbytes for u in units)
     cache = drop_page_cache()
-    store = DiskStore(units, index, entries, max_memory=int(fraction * streamed), num_disk_workers=args.workers,
+    store = DiskStore(units, index, entries, cache_bytes=int(fraction * streamed), num_disk_workers=args.workers,
                       policy=policy, pin=device.type == "cuda")
     try:
         driver = StoreDriver(model, units, store, device)

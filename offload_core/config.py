@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -63,11 +64,26 @@ class OffloadConfig:
     # projection) stay resident when they total at most this fraction of the streamed bytes.
     # 0 streams them like the blocks.
     stray_resident_fraction: float = 0.05
+    # The disk tier (offload_core/disk/): lazy_load streams a model built on the meta device from
+    # the shards in shard_dir; offload_to_disk writes a model's shards there first, then frees its
+    # RAM copy. max_memory bounds the pinned host bytes of the disk tier: the staging slots the disk
+    # workers read into (disk_stream_slots, default num_disk_workers + 2, each the largest unit) and
+    # the cache (the rest), whose hit rate on repeated passes is its share of the streamed bytes.
+    # 0: no cache (staging slots only). None: the streamed bytes plus staging, at most half the RAM free.
     lazy_load: bool = False
     offload_to_disk: bool = False
     shard_dir: str | None = None
     num_disk_workers: int = 2
     max_memory: int | str | None = None
+    disk_cache_policy: str = "belady"  # next use in the traced order; "fifo" and "lru" are ablations
+    disk_verify: bool = False  # sha256 of every unit read, against the index
+    disk_direct: bool | None = None  # O_DIRECT reads: None where the filesystem allows, else buffered + DONTNEED
+    disk_stream_slots: int | None = None
+    # A checkpoint to read the weights from (a diffusers model folder with one or several safetensors
+    # files, or one .safetensors file), for a model built on the meta device: each streamed tensor is
+    # read straight into its host slab and each resident one onto the device, so host RAM never
+    # holds the weights twice.
+    weights: str | None = None
     # Memory the auto prefetch leaves free on the card (bytes or "1GiB"; default max(512 MiB, 5%)).
     vram_margin: int | str | None = None
     enable_optimizer_cpu_offload: bool = False
@@ -139,9 +155,27 @@ class OffloadConfig:
             )
         if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
             raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
-        if self.lazy_load or self.offload_to_disk:
-            # Refuse rather than quietly stream from RAM: the disk tier is its own piece of work.
-            raise OffloadConfigError("lazy_load: the disk tier is not built yet; stream from host RAM (lazy_load: false)")
+        if self.lazy_load and self.offload_to_disk:
+            raise OffloadConfigError("lazy_load and offload_to_disk: set one (lazy_load reads shards that exist; "
+                                     "offload_to_disk writes them from the model in RAM)")
+        if self.weights is not None and (self.lazy_load or self.offload_to_disk):
+            raise OffloadConfigError("weights: streams from host RAM; with lazy_load the weights come from shard_dir "
+                                     "(shard the checkpoint first: offload-jobs shard SRC DST)")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise OffloadConfigError(f"weights: expected a path, got {type(self.weights).__name__}")
+        if self.weights is not None:
+            self.weights = os.fspath(self.weights)
+        if self.disk_cache_policy not in ("belady", "fifo", "lru"):
+            raise OffloadConfigError(f"disk_cache_policy: unknown value {self.disk_cache_policy!r} (choose belady, fifo or lru)")
+        for key in ("disk_verify",):
+            if not isinstance(getattr(self, key), bool):
+                raise OffloadConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+        if self.disk_direct not in (None, True, False):
+            raise OffloadConfigError(f"disk_direct: expected true, false or null, got {self.disk_direct!r}")
+        if self.disk_stream_slots is not None and (not isinstance(self.disk_stream_slots, int)
+                                                   or isinstance(self.disk_stream_slots, bool)
+                                                   or self.disk_stream_slots < 1):
+            raise OffloadConfigError(f"disk_stream_slots: must be a whole number >= 1, got {self.disk_stream_slots!r}")
 
     @classmethod
     def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":

@@ -37,7 +37,7 @@ from . import planner, registry
 from .arena import PinnedArena
 from .config import OffloadConfig
 from .device import resolve_device
-from .errors import LossyStorageWarning, NotAModuleError
+from .errors import LossyStorageWarning, NotAModuleError, OffloadConfigError
 from .hostmem import trim_host_heap
 from .masters import Masters
 from .quant import UnitWidener, assign_storage, quantize
@@ -48,6 +48,7 @@ from .stats import Counters, TimingLog
 from .store import HostStore
 from .transfer import Transfer
 from .units import Unit, discover_units
+from .weights import meta_tensor_names
 
 __all__ = ["OffloadEngine", "resolve_device"]
 
@@ -58,6 +59,18 @@ def _quiesce(streams: tuple) -> None:
             s.synchronize()
         except Exception:
             pass
+
+
+def _set_data(ts: Any, value: torch.Tensor) -> None:
+    """Give a streamed tensor its placeholder. A filled store may have left a meta tensor there
+    (a model built on the meta device), whose .data cannot take a tensor of another device: the
+    meta Parameter is replaced by one that can (it had no value anyone could hold on to)."""
+    obj = ts.tensor()
+    if obj.device.type != "meta":
+        obj.data = value
+        return
+    table = ts.module._parameters if ts.is_param else ts.module._buffers
+    table[ts.attr] = nn.Parameter(value, requires_grad=obj.requires_grad) if isinstance(obj, nn.Parameter) else value
 
 
 @dataclass
@@ -76,6 +89,12 @@ class OffloadEngine:
         if not isinstance(model, nn.Module):
             raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         registry.refuse_if_offloaded(model)
+        if config.weights is None and not config.lazy_load:
+            on_meta = meta_tensor_names(model)
+            if on_meta:
+                raise OffloadConfigError(
+                    f"weights: the model has tensors on the meta device ({', '.join(on_meta)}, ...); give them values: "
+                    "weights=PATH (a checkpoint) or lazy_load=True with shard_dir (its shards)")
         t0 = time.perf_counter()
         self.model = model
         self.config = config
@@ -115,17 +134,25 @@ class OffloadEngine:
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
         self.lossy = assign_storage(self.streamed, config.weight_dtype)
 
-        # Resident tensors: moved once. Streamed ones: packed, then placeholders.
+        # The host store of the streamed units; it may give meta tensors their values (weights,
+        # lazy_load) and turn units the shards lack resident.
         self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
+        self.store: HostStore = self._make_store()
+        self.streamed = [u for u in self.units if u.streamed]
+
+        # Resident tensors: moved once. Streamed ones: packed (unless the store holds them already),
+        # then placeholders.
         for m, attr, is_param in self.plan.resident:
             self._move_resident(m, attr, is_param)
         for u in self.units:
             if not u.streamed:
                 for t in u.tensors:
                     self._move_resident(t.module, t.attr, t.is_param)
-
-        self.store: HostStore = self._make_store()
-        if not getattr(self.store, "filled", False):
+        if getattr(self.store, "filled", False):
+            for u in self.streamed:
+                for ts in u.tensors:
+                    _set_data(ts, self.placeholder_for(ts))
+        else:
             self._pack()
         trim_host_heap()
         if hasattr(self.store, "pin"):
@@ -156,8 +183,31 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ setup
     def _make_store(self) -> HostStore:
-        """The host store of the streamed units (setup only; the hot path sees the HostStore calls)."""
-        return PinnedArena(self.streamed, pin=self.is_cuda and self.config.cpu_offload)
+        """The host store of the streamed units (setup only; the hot path sees the HostStore calls).
+
+        - lazy_load / offload_to_disk: a DiskStore over the shards in shard_dir (disk/integrate.py)
+        - weights: a PinnedArena filled straight from the checkpoint (weights.py), the resident
+          tensors read onto the device
+        - otherwise a PinnedArena the model's tensors are packed into
+        """
+        cfg = self.config
+        pin = self.is_cuda and cfg.cpu_offload
+        if cfg.lazy_load or cfg.offload_to_disk:
+            from .disk.integrate import open_disk_store
+
+            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin)
+        arena = PinnedArena(self.streamed, pin=pin)
+        if cfg.weights is not None:
+            from .weights import fill_from_checkpoint
+
+            try:
+                placed = fill_from_checkpoint(self.model, self.streamed, arena, cfg.weights, self.device)
+            except BaseException:
+                arena.close()
+                raise
+            # Read onto the device from the files; remove() leaves them on the host, as from_pretrained would.
+            self._resident_moved += [(m, attr, is_param, torch.device("cpu")) for m, attr, is_param in placed]
+        return arena
 
     def _move_resident(self, m: nn.Module, attr: str, is_param: bool) -> None:
         t = (m._parameters if is_param else m._buffers)[attr]
@@ -187,7 +237,7 @@ class OffloadEngine:
                         _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
                     else:
                         self.store.view(u, i).copy_(obj.data)
-                obj.data = self.placeholder_for(ts)
+                _set_data(ts, self.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
         anchors: dict[int, tuple[nn.Module, list[Unit]]] = {}
@@ -386,16 +436,16 @@ class OffloadEngine:
             self.counters.prefetch_issued += 1
 
     def _load(self, u: Unit, keep: set[int], urgent: bool) -> Slot | None:
-        src = self.store.acquire(u.uid, block=urgent)
-        if src is None:
-            return None  # a store still fetching the bytes: prefetch it later
+        # The slot first: a store counts every acquire as a use (and a disk store reads for it).
         slot = self.ring.sticky.get(u.uid)
         if slot is None:
             slot = self.ring.pick_victim(keep)
+        if slot is None and not urgent:
+            return None
+        src = self.store.acquire(u.uid, block=urgent)
+        if src is None:
+            return None  # a store still fetching the bytes: prefetch it later
         if slot is None:
-            if not urgent:
-                self.store.release(u.uid)
-                return None
             slot = self.ring.grow()
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1

@@ -8,7 +8,8 @@
     ├── DeviceUnavailableError    target_device names a device this machine lacks
     ├── OptimizerMismatchError    optimizer offload with a trainable parameter the optimizer lacks
     ├── OptimizerOverlapError     gradients changed after a step that already ran during backward
-    └── ShardError                a missing, corrupt or mismatched shard directory
+    ├── CheckpointMismatchError   weights=: the checkpoint lacks a parameter of the model, or has another shape
+    └── ShardError                a missing, corrupt or mismatched shard directory (or checkpoint file)
 
     LossyStorageWarning (a UserWarning)  remove() after a lossy weight_dtype: the model keeps the
                                          rounded weights
@@ -27,6 +28,7 @@ __all__ = [
     "DeviceUnavailableError",
     "OptimizerMismatchError",
     "OptimizerOverlapError",
+    "CheckpointMismatchError",
     "ShardError",
 ]
 
@@ -61,6 +63,10 @@ class OptimizerMismatchError(OffloadError, ValueError):
 
 class OptimizerOverlapError(OffloadError, RuntimeError):
     """A gradient was changed (clipped, unscaled) or added after its step already ran during backward."""
+
+
+class CheckpointMismatchError(OffloadError, ValueError):
+    """The checkpoint given as ``weights`` does not fit the model: a parameter it lacks, another shape."""
 
 
 class ShardError(OffloadError, OSError):

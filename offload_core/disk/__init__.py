@@ -7,7 +7,7 @@
     verify     verify_shards
     read       UnitReader: one O_DIRECT read of a unit into a pinned slab, checked against the index
     pool       HostPool: one pinned buffer carved into 4096-aligned slabs
-    cache      SlabCache: Belady (FIFO, LRU) over max_memory bytes
+    cache      SlabCache: Belady (FIFO, LRU) over the cache bytes (max_memory less the staging slots)
     store      DiskStore: the engine's host store over the cache, staging slots and disk workers
     bind       a live (or meta) model's units matched to the index; its other tensors read
     integrate  open_disk_store: what the engine calls for lazy_load / offload_to_disk

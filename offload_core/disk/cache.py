@@ -1,4 +1,4 @@
-"""SlabCache: which units stay in host memory between uses, within ``max_memory`` bytes.
+"""SlabCache: which units stay in host memory between uses, within its byte budget.
 
 The default policy is Belady's: when a unit is read and the cache is full, it may displace only
 cached units whose next use (in the traced order of unit uses) comes *later* than its own next

@@ -3,10 +3,11 @@
 It has the HostStore interface the engine uses for the PinnedArena (plan, acquire, release,
 master, view, stats, close), on top of:
 
-- a SlabCache of ``max_memory`` bytes (Belady by default): the units it keeps stay in pinned memory
+- a SlabCache of ``cache_bytes`` (Belady by default): the units it keeps stay in pinned memory
   across uses;
 - a few staging slots (``stream_slots``, default ``num_disk_workers + 2``, each the largest unit)
-  that the other units stream through, on top of ``max_memory``;
+  that the other units stream through, on top of the cache (the engine's ``max_memory`` counts
+  both: integrate.py splits it);
 - ``num_disk_workers`` threads that read whole unit slabs (UnitReader: O_DIRECT into the pinned
   slab) in the traced order, as far ahead as the staging slots allow, so disk reads overlap the
   engine's H2D copies and compute.
@@ -63,17 +64,17 @@ class _Unit:
 class _Core:
     """The store's state, shared with its worker threads (which hold no reference to the DiskStore)."""
 
-    def __init__(self, units: Sequence[Unit], entries: dict[int, SlabEntry], index: ShardIndex, *, max_memory: int,
+    def __init__(self, units: Sequence[Unit], entries: dict[int, SlabEntry], index: ShardIndex, *, cache_bytes: int,
                  num_disk_workers: int, stream_slots: int | None, policy: str, pin: bool, verify: bool,
                  direct: bool | None) -> None:
         self.reader = UnitReader(index, direct=direct, verify=verify)
         self.units = {u.uid: _Unit(u, entries[u.uid]) for u in units}
         streamed = sum(entries[u.uid].read_nbytes for u in units)
-        self.cache = SlabCache(min(max_memory, streamed), policy, pin=pin)  # never more than the model needs
+        self.cache = SlabCache(min(cache_bytes, streamed), policy, pin=pin)  # never more than the model needs
         largest = max((e.read_nbytes for e in entries.values()), default=0)
         self.n_stream = stream_slots if stream_slots is not None else num_disk_workers + 2
         self.stream = HostPool(max(self.n_stream, 1) * largest, pin=pin)
-        self.own: dict[int, HostPool] = {}  # kept units that did not fit in max_memory
+        self.own: dict[int, HostPool] = {}  # kept units that did not fit in the cache
         self.cond = threading.Condition()
         self.queue: collections.deque[int] = collections.deque()
         self.error: ShardError | None = None
@@ -415,7 +416,7 @@ class DiskStore:
     """The HostStore of a model whose weights stream from a shard directory.
 
     units: the engine's streamed units, already bound to the index (``bind_units`` gives
-    ``entries``: uid -> slab entry). max_memory: bytes of cache (the staging slots come on top).
+    ``entries``: uid -> slab entry). cache_bytes: bytes of cache (the staging slots come on top).
     policy: "belady" (default), "fifo" or "lru". verify: check each read's sha256 (costs CPU).
     direct: O_DIRECT on (True), off (False) or where it works (None).
     """
@@ -423,10 +424,10 @@ class DiskStore:
     filled = True  # the shards hold every unit's bytes: the engine packs nothing into this store
 
     def __init__(self, units: Sequence[Unit], index: ShardIndex, entries: dict[int, SlabEntry], *,
-                 max_memory: int = 0, num_disk_workers: int = 2, stream_slots: int | None = None,
+                 cache_bytes: int = 0, num_disk_workers: int = 2, stream_slots: int | None = None,
                  policy: str = "belady", pin: bool = False, verify: bool = False, direct: bool | None = None) -> None:
         self.index = index
-        self._core = _Core(units, entries, index, max_memory=int(max_memory or 0), num_disk_workers=num_disk_workers,
+        self._core = _Core(units, entries, index, cache_bytes=int(cache_bytes or 0), num_disk_workers=num_disk_workers,
                            stream_slots=stream_slots, policy=policy, pin=pin, verify=verify, direct=direct)
         self._finalizer = weakref.finalize(self, _Core.close, self._core)
         self._finalizer.atexit = False  # at exit the process's memory, threads and registrations end with it

@@ -45,7 +45,7 @@ def block_units(plan: UnitPlan) -> list[Unit]:
 def open_store(model: nn.Module, units: list[Unit], index: ShardIndex, fraction: float = 0.0, **kw: Any) -> DiskStore:
     entries = bind_units(units, index, model)
     streamed = sum(entries[u.uid].read_nbytes for u in units)
-    return DiskStore(units, index, entries, max_memory=int(fraction * streamed), **kw)
+    return DiskStore(units, index, entries, cache_bytes=int(fraction * streamed), **kw)
 
 
 def one_pass(store: DiskStore, units: list[Unit]) -> None:

@@ -1,14 +1,8 @@
-"""The engine streaming from shards: enable_offload(lazy_load=True / offload_to_disk=True).
-
-These need offload_core part 3's host-store seam (offload_core/store.py) and the wiring described in
-offload_core/disk/integrate.py; until both are merged they skip, saying so. They were run against
-that branch's work in progress with the wiring applied (see the issue 12 report).
-"""
+"""The engine streaming from shards: enable_offload(lazy_load=True / offload_to_disk=True), on the CPU."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,24 +12,10 @@ import torch
 
 from offload_core import OffloadConfigError, enable_offload
 from offload_core.disk.errors import ShardFormatError, ShardMismatchError, ShardReadError
+from offload_core.disk.format import load_index
+from offload_core.disk.integrate import max_memory_for
 from offload_core.shard import shard_checkpoint
-from offload_core_disk_helpers import flux_inputs, tiny_flux
-
-
-def _seam_ready() -> str | None:
-    if importlib.util.find_spec("offload_core.store") is None:
-        return "the engine's host-store seam (offload_core part 3) is not merged yet"
-    try:
-        from offload_core import OffloadConfig
-
-        OffloadConfig(target_device="cpu", lazy_load=True, shard_dir="/nonexistent")
-    except OffloadConfigError as exc:
-        if "not built yet" in str(exc):
-            return "the engine does not build a DiskStore for lazy_load yet (see offload_core/disk/integrate.py)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_seam_ready() is not None, reason=str(_seam_ready()))
+from offload_core_disk_helpers import Stack, flux_inputs, sharded_stack, tiny_flux
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +26,12 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.
     ref.save_pretrained(root / "src")
     shard_checkpoint(root / "src", root / "shards", progress=False)
     return root / "src", root / "shards", ref
+
+
+def _budget(dst: Path, cache: float, workers: int = 2) -> int:
+    """max_memory for a cache of ``cache`` of the streamed bytes, the staging slots on top."""
+    index = load_index(dst)
+    return max_memory_for(index, index.units, cache, workers)
 
 
 def _meta(src: Path) -> torch.nn.Module:
@@ -66,7 +52,7 @@ def _run(model: torch.nn.Module, device: str = "cpu") -> torch.Tensor:
 def test_inference_from_shards_is_bitwise_and_keeps_state(shards: tuple, policy: str) -> None:
     src, dst, ref = shards
     model = _meta(src)
-    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=100_000,
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
                             num_disk_workers=2, offload_granularity="block", disk_cache_policy=policy)
     want = _run(ref)
     for _ in range(3):
@@ -86,7 +72,7 @@ def test_load_state_dict_while_streaming_from_shards_sticks(shards: tuple) -> No
     torch.manual_seed(5)
     other = tiny_flux().requires_grad_(False)
     model = _meta(src)
-    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=100_000,
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
                             offload_granularity="block")
     _run(model)
     model.load_state_dict(other.state_dict())
@@ -123,7 +109,7 @@ def test_lora_training_from_shards_is_bitwise(shards: tuple) -> None:
     model.load_state_dict(lora, strict=False, assign=True)  # LoRA weights made on the meta device get values
     for m in (ref, model):
         m.enable_gradient_checkpointing()
-    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=100_000,
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
                             offload_granularity="block")
 
     def train(m: torch.nn.Module) -> list[float]:
@@ -189,7 +175,7 @@ def test_a_shard_deleted_mid_run_fails_the_forward_cleanly(shards: tuple, tmp_pa
 def test_cuda_lazy_load_is_bitwise_and_pinned(shards: tuple) -> None:
     src, dst, ref = shards
     model = _meta(src)
-    handle = enable_offload(model, target_device="cuda", lazy_load=True, shard_dir=str(dst), max_memory=100_000,
+    handle = enable_offload(model, target_device="cuda", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
                             num_disk_workers=2, offload_granularity="block")
     want = _run(copy.deepcopy(ref).cuda(), "cuda")
     for _ in range(3):
@@ -197,3 +183,67 @@ def test_cuda_lazy_load_is_bitwise_and_pinned(shards: tuple) -> None:
     s = handle.stats()
     assert s["pinned"] is True and s["disk_reads"] > 0
     handle.remove()
+
+
+# ------------------------------------------------------------------ max_memory through the engine
+@pytest.fixture(scope="module")
+def stack_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("stack")
+    model, _, _ = sharded_stack(root)
+    return root, model
+
+
+def _meta_stack() -> torch.nn.Module:
+    with torch.device("meta"):
+        return Stack().requires_grad_(False)
+
+
+@pytest.mark.parametrize("f", [0.25, 0.5, 0.75])
+def test_max_memory_holds_the_staging_and_a_cache_whose_hit_rate_is_its_share(stack_shards: tuple, f: float) -> None:
+    """max_memory is every pinned byte of the disk tier (staging slots + cache); the cache part's share
+    of the streamed bytes is the hit rate over 20 passes through the engine (reads counted)."""
+    root, ref = stack_shards
+    index = load_index(root)
+    blocks = [n for n in index.units if n.startswith("blocks.")]
+    budget = max_memory_for(index, blocks, f, num_disk_workers=2)
+    model = _meta_stack()
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(root), max_memory=budget,
+                            num_disk_workers=2, offload_granularity="block", prefetch=2)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(2):  # the first pass traces the order; the store plans from the second
+            assert torch.equal(model(x), want)
+        s0 = handle.stats()
+        for _ in range(20):
+            assert torch.equal(model(x), want)
+    s = handle.stats()
+    hits, misses = s["disk_cache_hits"] - s0["disk_cache_hits"], s["disk_cache_misses"] - s0["disk_cache_misses"]
+    assert hits + misses == 20 * len(blocks)  # one acquire per use: a prefetch without a slot asks for nothing
+    streamed = sum(index.units[n].read_nbytes for n in blocks)
+    assert abs(s["disk_cache_capacity_bytes"] / streamed - f) <= 0.02
+    assert abs(hits / (hits + misses) - f) <= 0.02, hits / (hits + misses)
+    assert s["disk_bytes"] - s0["disk_bytes"] == pytest.approx((1 - f) * 20 * streamed, rel=0.05)
+    assert s["disk_cache_capacity_bytes"] + s["disk_stream_bytes"] <= budget  # what was asked, no more
+    assert s["pinned_capacity_bytes"] <= budget
+    for key in ("disk_gbps", "disk_stall_ms", "disk_cache_evictions", "disk_cache_hit_bytes", "disk_cache_used_bytes"):
+        assert key in s
+    handle.remove()
+    assert torch.equal(model(x), want)
+
+
+def test_max_memory_too_small_for_the_staging_is_named(stack_shards: tuple) -> None:
+    root, _ = stack_shards
+    with pytest.raises(OffloadConfigError, match=r"max_memory: 1000 bytes cannot hold the disk tier's staging slots"):
+        enable_offload(_meta_stack(), target_device="cpu", lazy_load=True, shard_dir=str(root), max_memory=1000,
+                       offload_granularity="block")
+    model = _meta_stack()  # 0: no cache at all, the staging slots only
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(root), max_memory=0,
+                            offload_granularity="block")
+    assert handle.stats()["disk_cache_capacity_bytes"] == 0
+    handle.remove()
+
+
+def test_a_meta_model_without_weights_is_refused_by_name() -> None:
+    with pytest.raises(OffloadConfigError, match=r"weights: the model has tensors on the meta device \(blocks\.0\.0\.weight"):
+        enable_offload(_meta_stack(), target_device="cpu")

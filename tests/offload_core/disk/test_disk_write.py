@@ -74,7 +74,7 @@ def test_a_model_in_ram_written_freed_and_read_back(tmp_path: Path, weight_dtype
     # Read back into the same model object, as the engine will after offload_to_disk.
     loaded = load_index(tmp_path / "shards")
     entries = bind_units(units, loaded, model)
-    disk = DiskStore(units, loaded, entries, max_memory=0, num_disk_workers=1)
+    disk = DiskStore(units, loaded, entries, cache_bytes=0, num_disk_workers=1)
     try:
         bind_from_store(disk, units)
     finally:
