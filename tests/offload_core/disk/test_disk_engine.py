@@ -247,3 +247,25 @@ def test_max_memory_too_small_for_the_staging_is_named(stack_shards: tuple) -> N
 def test_a_meta_model_without_weights_is_refused_by_name() -> None:
     with pytest.raises(OffloadConfigError, match=r"weights: the model has tensors on the meta device \(blocks\.0\.0\.weight"):
         enable_offload(_meta_stack(), target_device="cpu")
+
+
+@pytest.mark.parametrize("name", ["wan", "qwen"])
+def test_lazy_load_recomputes_the_tables_no_checkpoint_carries(tmp_path: Path, name: str) -> None:
+    """Wan's rope tables are non-persistent buffers, Qwen-Image's plain tensor attributes: built on the
+    meta device they have no value, and no shard has them; they come from the model built again."""
+    from offload_core_test_models import CASES
+
+    case = CASES[name]
+    ref = case.build("frozen")
+    ref.save_pretrained(tmp_path / "src")
+    shard_checkpoint(tmp_path / "src", tmp_path / "shards", progress=False)
+    cls = type(ref)
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(tmp_path / "src")).requires_grad_(False).eval()
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(tmp_path / "shards"),
+                            offload_granularity="block")
+    inputs = case.make_inputs(2)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(case.forward(model, inputs), case.forward(ref, inputs))
+    handle.remove()
