@@ -188,7 +188,14 @@ class OffloadSpec(_Strict):
     offload_to_disk: Optional[bool] = None
     shard_dir: Optional[str] = None
     num_disk_workers: Optional[int] = Field(None, ge=1, le=1024)
-    max_memory: Optional[Bytes] = Field(None, description="CPU cache budget in bytes or a size.")
+    max_memory: Optional[Bytes] = Field(
+        None, description="Disk tier: pinned host bytes for the staging slots and the cache (0: no cache).")
+    disk_cache_policy: Optional[Literal["belady", "fifo", "lru"]] = Field(
+        None, description="Disk cache eviction: next use in the traced order (belady), or fifo/lru.")
+    disk_verify: Optional[bool] = Field(None, description="Check each unit read from disk against its sha256.")
+    disk_direct: Optional[bool] = Field(None, description="O_DIRECT disk reads (default: where the filesystem allows).")
+    disk_stream_slots: Optional[int] = Field(
+        None, ge=1, le=1024, description="Staging slots the disk workers read into (default num_disk_workers + 2).")
     enable_optimizer_cpu_offload: Optional[bool] = None
     weight_dtype: Optional[str] = Field(None, description="Storage dtype, e.g. float8_e4m3fn.")
     vram_margin: Optional[Bytes] = Field(

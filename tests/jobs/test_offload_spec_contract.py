@@ -15,6 +15,7 @@ NOT_IN_SPEC = {
     "record_timings": "bench-only switch",
     "use_streams": "bench-only serial baseline",
     "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
+    "weights": "set by the runners: model.path's transformer is read into the engine",
 }
 
 
@@ -27,6 +28,10 @@ def test_offload_spec_names_every_engine_key() -> None:
 
 def test_every_spec_key_reaches_the_engine() -> None:
     values = {"target_device": "cpu", "vram_margin": "1GiB", "overlap_optimizer_step": False,
-              "fused_cpu_optimizer": False, "split_threshold_mb": 8.0, "treat_as_inference": True, "prefetch": 3}
+              "fused_cpu_optimizer": False, "split_threshold_mb": 8.0, "treat_as_inference": True, "prefetch": 3,
+              "lazy_load": True, "shard_dir": "/shards", "max_memory": "6GiB", "num_disk_workers": 4,
+              "disk_cache_policy": "lru", "disk_verify": True, "disk_direct": False, "disk_stream_slots": 3}
     cfg = OffloadConfig.from_overrides(**OffloadSpec(**values).engine_kwargs())
     assert cfg.vram_margin == 1 << 30 and cfg.prefetch == 3 and cfg.fused_cpu_optimizer is False
+    assert (cfg.lazy_load, cfg.max_memory, cfg.disk_cache_policy, cfg.disk_verify, cfg.disk_direct,
+            cfg.disk_stream_slots) == (True, 6 << 30, "lru", True, False, 3)
