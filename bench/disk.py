@@ -14,8 +14,8 @@ What it measures, every figure from this run:
    release after the copy's event), cold (first pass, empty cache) and warm (steady state), against
    the floor max(resident, (1 - f) x bytes / raw disk rate, bytes / H2D rate);
 4. FIFO and LRU at the middle fraction: the same loop with the ablation policies;
-5. engine: enable_offload(lazy_load=True) on the model built on the meta device, once the engine
-   takes a DiskStore (offload_core part 3 plus offload_core/disk/integrate.py), else skipped;
+5. engine: enable_offload(lazy_load=True) on the model built on the meta device, its max_memory the
+   staging slots plus a cache of f of the streamed bytes (max_memory counts both);
 6. peer: diffusers' group offloading with ``offload_to_disk_path`` (block level, one block per
    group, streams on), on the same model, when diffusers is installed.
 """
@@ -268,27 +268,31 @@ def ours(model: BlockStack, units: list[Unit], index: ShardIndex, x: torch.Tenso
 def engine_rows(args: argparse.Namespace, index: ShardIndex, x: torch.Tensor, device: torch.device,
                 fractions: list[float], streamed: int, dtype: torch.dtype) -> list[dict[str, Any]] | str:
     from offload_core import enable_offload
-    from offload_core.errors import OffloadConfigError
+    from offload_core.disk.integrate import max_memory_for
 
     rows = []
     for f in fractions:
         with torch.device("meta"):
             model = BlockStack(args.blocks, args.dim).to(dtype)
         model.requires_grad_(False)
-        try:
-            handle = enable_offload(model, target_device=str(device), lazy_load=True, shard_dir=str(index.root),
-                                    max_memory=int(f * streamed), num_disk_workers=args.workers,
-                                    offload_granularity="block")
-        except OffloadConfigError as exc:
-            return f"skipped: {exc}"
+        budget = max_memory_for(index, index.units, f, args.workers)
+        handle = enable_offload(model, target_device=str(device), lazy_load=True, shard_dir=str(index.root),
+                                max_memory=budget, num_disk_workers=args.workers, offload_granularity="block")
         with torch.no_grad():
             drop_page_cache()
+            # The first pass traces the order of uses: the store reads each unit as it is asked for
+            # (no read-ahead before a trace exists), so it is not the cold streaming rate.
             cold = timed(lambda: (model(x), _sync(device)))
+            s0 = handle.stats()
             warm = [timed(lambda: (model(x), _sync(device))) for _ in range(args.passes)]
         s = handle.stats()
-        rows.append({"policy": "engine", "f": f, "cold_s": cold, "cold_gbps": streamed / 1e9 / cold,
-                     "warm_s": min(warm), "hit_rate": s.get("disk_cache_hit_rate"), "vram_peak_gib":
-                     s.get("vram_peak_bytes", 0) / 2**30})
+        hits = s["disk_cache_hits"] - s0["disk_cache_hits"]
+        uses = hits + s["disk_cache_misses"] - s0["disk_cache_misses"]
+        rows.append({"policy": "engine", "f": f, "max_memory": budget, "cold_s": cold, "cold_gbps": streamed / 1e9 / cold,
+                     "warm_s": min(warm), "hit_rate": hits / max(uses, 1),
+                     "cache_fraction": s["disk_cache_capacity_bytes"] / max(streamed, 1), "vram_peak_gib":
+                     s.get("vram_peak_bytes", 0) / 2**30, "pinned_bytes": s.get("pinned_capacity_bytes"),
+                     "stall_ms": s.get("stall_ms"), "disk_stall_ms": s.get("disk_stall_ms")})
         del handle, model  # dropped without remove(): remove() would read the whole model back into RAM
     return rows
 
@@ -388,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         out["rows"] = rows
         out["engine"] = "skipped (--no-engine)" if args.no_engine else engine_rows(
             args, index, x, device, fractions, streamed, dtype)
+        for r in out["engine"] if isinstance(out["engine"], list) else []:
+            r["floor_s"] = max(out["resident_s"], (1 - r["f"]) * streamed / 1e9 / out["raw_gbps"],
+                               streamed / 1e9 / out["h2d_gbps"])
+            r["vs_floor"] = r["warm_s"] / r["floor_s"]
+            r["cold_vs_raw"] = r["cold_gbps"] / out["raw_gbps"]
         out["peer"] = "skipped (--no-peer)" if args.no_peer else peer_row(model, x, device, args, workdir)
     finally:
         if not args.dir:
@@ -406,8 +415,8 @@ def _report(out: dict[str, Any]) -> None:
               f"{r['floor_s']:>9.3f}{r['vs_floor']:>11.2f}{r['hit_rate']:>7.2f}{r['stall_ms_per_pass']:>10.0f}")
     if isinstance(out["engine"], list):
         for r in out["engine"]:
-            print(f"{'engine':<15}{r['f']:>5.2f}{r['cold_s']:>9.3f}{r['cold_gbps'] / out['raw_gbps']:>10.2f}"
-                  f"{r['warm_s']:>9.3f}")
+            print(f"{'engine':<15}{r['f']:>5.2f}{r['cold_s']:>9.3f}{r['cold_vs_raw']:>10.2f}{r['warm_s']:>9.3f}"
+                  f"{r['floor_s']:>9.3f}{r['vs_floor']:>11.2f}{r['hit_rate']:>7.2f}{r['disk_stall_ms']:>10.0f}")
     else:
         print(f"engine: {out['engine']}")
     peer = out["peer"]
@@ -420,6 +429,11 @@ def _report(out: dict[str, Any]) -> None:
     worst_warm = max(r["vs_floor"] for r in belady)
     print(f"\ncold streaming >= 0.85x raw O_DIRECT: worst {worst_cold:.2f}x ({'ok' if worst_cold >= 0.85 else 'MISS'}); "
           f"steady state <= 1.10x floor: worst {worst_warm:.2f}x ({'ok' if worst_warm <= 1.10 else 'MISS'})")
+    if isinstance(out["engine"], list) and out["engine"]:
+        ec = min(r["cold_vs_raw"] for r in out["engine"])
+        ew = max(r["vs_floor"] for r in out["engine"])
+        print(f"engine (enable_offload lazy_load): steady state <= 1.10x floor: worst {ew:.2f}x "
+              f"({'ok' if ew <= 1.10 else 'MISS'}); its first pass, which traces the order, at {ec:.2f}x raw")
 
 
 if __name__ == "__main__":

@@ -260,3 +260,27 @@ def test_host_rss_peaks_at_the_weight_bytes_in_a_fresh_process(tmp_path: Path) -
     print(f"peak RSS added: weights= {added:.3f}x, in RAM then packed {(ram['peak'] - ram['before']) / ram['weight']:.3f}x "
           f"of {ours['weight'] / 1e6:.0f} MB")
     assert (ram["peak"] - ram["before"]) / ram["weight"] > 1.5  # the measure sees a second copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_cuda_weights_are_pinned_and_bitwise(tmp_path: Path, name: str) -> None:
+    """On a card: the arena filled from the files is registered (pinned) and streams; the residents were
+    read onto the device; bitwise from_pretrained + enable_offload."""
+    case = CASES[name]
+    _, folder = _saved(name, tmp_path, max_shard_size="40KB")
+    cls = type(case.build("frozen"))
+    ref = cls.from_pretrained(folder).requires_grad_(False)
+    ref_handle = enable_offload(ref, target_device="cuda")
+    model = _meta(cls, folder, "meta")
+    handle = enable_offload(model, target_device="cuda", weights=str(folder))
+    s = handle.stats()
+    assert s["pinned"] is True and s["streamed_bytes"] > 0
+    assert all(t.device.type == "cuda" for t in [*model.parameters(), *model.buffers()])
+    inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in case.make_inputs(5).items()}
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(case.forward(model, inputs), case.forward(ref, inputs))
+    handle.remove()
+    ref_handle.remove()
+    _same_state(model, ref)
