@@ -35,7 +35,8 @@ from .errors import OffloadConfigError
 __all__ = ["ComponentOffload", "PipelineOffload", "enable_pipeline_offload"]
 
 _DENOISERS = ("transformer", "transformer_2", "unet", "prior")
-_DISK_KEYS = ("lazy_load", "offload_to_disk", "shard_dir", "max_memory", "num_disk_workers")
+_DISK_KEYS = ("lazy_load", "offload_to_disk", "shard_dir", "max_memory", "num_disk_workers", "disk_cache_policy",
+              "disk_verify", "disk_direct", "disk_stream_slots", "weights")
 
 
 class ComponentOffload:
