@@ -183,7 +183,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             out["bitwise"].append(bool(torch.equal(y.cpu(), ref)))
     s = handle.stats()
     out["infer_stats"] = {k: v for k, v in s.items() if k.startswith(("disk_", "vram_", "pinned", "h2d_gbps", "stall",
-                                                                          "streamed_bytes"))}
+                                                                          "streamed_bytes", "slot_", "prefetch_depth"))}
     out["vram_peak_gib"] = s.get("vram_peak_bytes", 0) / 2**30
     if args.lora:
         if args.device.startswith("cuda"):
@@ -192,7 +192,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         out["lora_vram_peak_gib"] = handle.stats().get("vram_peak_bytes", 0) / 2**30
     s = handle.stats()
     out["stats"] = {k: v for k, v in s.items() if k.startswith(("disk_", "vram_", "pinned", "h2d_gbps", "stall",
-                                                                    "streamed_bytes"))}
+                                                                    "streamed_bytes", "slot_", "prefetch_depth"))}
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     return out
 

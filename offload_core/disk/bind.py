@@ -23,17 +23,13 @@ import torch
 from torch import nn
 
 from ..units import Unit
+from ..weights import base_name  # peft's base_layer steps removed: the checkpoint's name
 from .errors import ShardMismatchError
 from .format import ShardIndex, SlabEntry, TensorEntry, dtype_name
 from .grouping import tensor_names
 from .read import UnitReader
 
 __all__ = ["bind_units", "materialize", "base_name"]
-
-
-def base_name(name: str) -> str:
-    """A tensor or unit name with peft's ``base_layer`` wrapping removed."""
-    return ".".join(p for p in name.split(".") if p != "base_layer")
 
 
 def bind_units(units: Iterable[Unit], index: ShardIndex, model: nn.Module | None = None) -> dict[int, SlabEntry]:
