@@ -128,7 +128,7 @@ class JobsClient:
         challenge = secrets.token_hex(16)
         try:
             r = self._http.get("/healthz", params={"challenge": challenge})
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             raise WorkerUnreachable(self.url, type(exc).__name__) from None
         except httpx.TimeoutException:
             raise WorkerUnreachable(self.url, "timed out") from None
@@ -148,7 +148,8 @@ class JobsClient:
         self._ensure_verified()
         try:
             r = self._http.request(method, path, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            # ReadError: a connection reset mid-answer (Docker's port proxy resets while the worker starts)
             raise WorkerUnreachable(self.url, type(exc).__name__) from None
         except httpx.TimeoutException:
             raise WorkerUnreachable(self.url, "timed out") from None
