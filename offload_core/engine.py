@@ -365,7 +365,7 @@ class OffloadEngine:
             if timed:
                 # stall: waiting for this unit's bytes; span: busy from the last use's start to here.
                 # Every pair owns its events (the log recycles an event once its pair resolves).
-                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark())
+                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark(), cycle=self.schedule.cycles)
                 if self._span_from is not None:
                     pos, ev = self._span_from
                     self.timing.add("span", ("pos", pos), ev, arrive[1])

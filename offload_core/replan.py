@@ -38,7 +38,6 @@ class Replanner:
         self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
                      and e.ring.slot_bytes > 1 and device.limit_bytes(e.device) is not None)
         self.active = e.timing is not None and (self.budget is not None or self.grow)
-        self.stall_at: dict[int, float] = {}  # cycle k -> total stall ms when cycle k started
         self.training = True  # every cycle so far ran its forward with grad enabled
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
@@ -103,8 +102,8 @@ class Replanner:
         if k == 1:
             device.reset_peak(e.device)  # from here on the peak is this model's: its activations and the ring
             return
-        e.timing.resolve(block=True)
-        self.stall_at[k] = e.timing.total_ms.get("stall", 0.0)
+        # Stalls are kept per cycle, so only a decision point resolves (and so waits for the device):
+        # a cycle that follows a host wait is not the one whose stall is read.
         if k == 2 and self.budget is not None:
             m = self.measure()
             if m is not None and m.peak_bytes is not None:
@@ -121,8 +120,8 @@ class Replanner:
         elif self.before is not None and k == self.grown_at + 2:
             # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
             # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
-            was = self.stall_at[self.grown_at] - self.stall_at[self.grown_at - 1]
-            now = self.stall_at[k] - self.stall_at[k - 1]
+            e.timing.resolve(block=True)
+            was, now = self.cycle_stall(self.grown_at - 1), self.cycle_stall(k - 1)
             e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now)
             if now > was - max(0.5, 0.02 * was):
                 self.apply(self.before)
@@ -144,7 +143,7 @@ class Replanner:
     def _grow(self, m: planner.Measurements, k: int) -> bool:
         """Try a deeper ring (evaluated two cycles on); False when there is nothing to try."""
         e = self.e
-        stall = self.stall_at[k] - self.stall_at[k - 1] if k - 1 in self.stall_at else None
+        stall = self.cycle_stall(k - 1)
         margin = self.margin(m)
         plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall) if self.training else None
         e.prediction.update(growth_room_slots=planner.growth_room(m, margin), growth_measured_stall_ms=stall,
@@ -161,6 +160,10 @@ class Replanner:
         self.grown_at = k
         self.apply(plan)
         return True
+
+    def cycle_stall(self, cycle: int) -> float:
+        """Measured stall ms of one cycle (resolved timings only)."""
+        return self.e.timing.cycle_ms.get(("stall", cycle), 0.0)
 
     def margin(self, m: planner.Measurements) -> int:
         if self.e.config.vram_margin is not None:
