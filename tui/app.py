@@ -1,0 +1,162 @@
+"""`DashboardApp`: the Textual dashboard of a worker, and `main()` for `offload-jobs tui`.
+
+The app holds the one copy of what it knows about jobs (`jobs`, merged from polls and events);
+screens read it on their own timers and redraw what changed. It talks to the worker only through
+`jobs.client.JobsClient`, on background threads (`tui.feed`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable
+
+from textual.app import App
+from textual.binding import Binding
+
+from jobs.client import JobsClient
+from tui.feed import ConnectionState, JobsSnapshot, MetricRows, WorkerEvent, WorkerFeed
+
+__all__ = ["DashboardApp", "main"]
+
+ClientFactory = Callable[[], JobsClient]
+
+
+class DashboardApp(App):
+    """Jobs, live charts, logs and a submit form for one worker."""
+
+    TITLE = "offload-jobs"
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+    ]
+    CSS = """
+    Screen { layout: vertical; }
+    """
+
+    def __init__(self, make_client: ClientFactory | None = None, *, url: str = "", read_only: bool = False,
+                 poll_s: float = 1.0, refresh_s: float = 0.5, open_job: str | None = None, open_logs: bool = False,
+                 tail: int | None = None, follow: bool = True, clock: Callable[[], float] = time.time,
+                 feed: bool = True, gpu: bool = True, start_dir: str | None = None) -> None:
+        super().__init__()
+        self.make_client = make_client
+        self.url = url
+        self.read_only = read_only
+        self.refresh_s = refresh_s
+        self.open_job = open_job
+        self.open_logs = open_logs
+        self.tail = tail
+        self.follow = follow
+        self.clock = clock
+        self.gpu_enabled = gpu
+        self.start_dir = start_dir
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.job_events: dict[str, deque[dict[str, Any]]] = {}
+        self.version = 0  # bumped on every change to `jobs`
+        self.connection = ConnectionState("connecting", url)
+        self.feed = WorkerFeed(make_client, self.post_message, poll_s=poll_s) if feed and make_client else None
+        self.refreshes = 0  # data refreshes drawn (read by the cost bench)
+        self._client: JobsClient | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def on_mount(self) -> None:
+        from tui.screens.jobs import JobsScreen
+
+        self.push_screen(JobsScreen())
+        if self.feed is not None:
+            self.feed.start()
+        if self.open_job:
+            self.open_detail(self.open_job, logs=self.open_logs)
+
+    def on_unmount(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
+
+    def client(self) -> JobsClient:
+        """A client for one-off calls from worker threads (cancel, submit, ...)."""
+        if self.make_client is None:
+            raise RuntimeError("this dashboard has no worker")
+        return self.make_client()
+
+    # ------------------------------------------------------------ the model
+    def merge_jobs(self, jobs: list[dict[str, Any]], full: bool = False) -> None:
+        if full:
+            keep = {j["id"] for j in jobs if "id" in j}
+            for gone in [k for k in self.jobs if k not in keep]:
+                del self.jobs[gone]
+        for j in jobs:
+            if "id" in j:
+                cur = self.jobs.get(j["id"])
+                if cur is None:
+                    self.jobs[j["id"]] = dict(j)
+                else:
+                    cur.update(j)
+        self.version += 1
+
+    def on_jobs_snapshot(self, msg: JobsSnapshot) -> None:
+        self.merge_jobs(msg.jobs, msg.full)
+
+    def on_worker_event(self, msg: WorkerEvent) -> None:
+        ev = msg.event
+        job_id = ev.get("job_id")
+        if not job_id:
+            return
+        self.job_events.setdefault(job_id, deque(maxlen=500)).append(ev)
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = {"id": job_id, "created_at": ev.get("ts"), "spec": {}}
+        for key in ("status", "name", "kind", "attempt"):
+            if key in ev:
+                job[key] = ev[key]
+        if ev.get("type") == "job.status":
+            job["reason"] = ev.get("reason")
+            if ev.get("status") == "RUNNING":
+                job["started_at"] = ev.get("ts")
+            if ev.get("status") in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                job["finished_at"] = ev.get("ts")
+        self.version += 1
+
+    def on_connection_state(self, msg: ConnectionState) -> None:
+        self.connection = msg
+
+    def on_metric_rows(self, msg: MetricRows) -> None:
+        for screen in self.screen_stack:  # the detail screen keeps charting under its logs screen
+            handler = getattr(screen, "add_metric_rows", None)
+            if handler is not None:
+                handler(msg)
+
+    # ------------------------------------------------------------ navigation
+    def open_detail(self, job_id: str, logs: bool = False) -> None:
+        from tui.screens.detail import DetailScreen
+        from tui.screens.logs import LogsScreen
+
+        self.push_screen(DetailScreen(job_id))
+        if logs:
+            self.push_screen(LogsScreen(job_id, tail=self.tail, follow=self.follow))
+
+    def action_help(self) -> None:
+        from tui.screens.dialogs import HelpScreen
+
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.screen))
+
+
+def main(*, url: str | None = None, token: str | None = None, home: str | None = None, read_only: bool = False,
+         job: str | None = None, logs: bool = False, tail: int | None = None, poll_s: float = 1.0) -> None:
+    """Run the dashboard against the worker named by `url`/`token`, or by the state dir (`home`)."""
+    import os
+
+    from jobs.home import DEFAULT_URL, read_token, read_worker_info, state_home
+
+    h = state_home(home)
+    if url is None:
+        url = os.environ.get("OFFLOAD_JOBS_URL") or (read_worker_info(h) or {}).get("url") or DEFAULT_URL
+    if token is None:
+        token = os.environ.get("OFFLOAD_JOBS_TOKEN") or read_token(h)
+    final_url, final_token = url, token
+
+    def make_client() -> JobsClient:
+        return JobsClient(final_url, final_token, timeout=10.0)
+
+    DashboardApp(make_client, url=url, read_only=read_only, open_job=job, open_logs=logs, tail=tail,
+                 poll_s=poll_s).run()

@@ -1,0 +1,222 @@
+"""What the dashboard hears from the worker, on background threads, as Textual messages.
+
+Two threads per app, each with its own `JobsClient` (the SSE stream holds its connection open):
+
+- the poller lists the active jobs every `poll_s` (their last metrics: progress, VRAM, cache
+  hits), fetches the jobs that left the active set, and the whole list on (re)connect and every
+  `full_every_s`; it also says whether the worker answers, and why not (down, bad token, error);
+- the event follower reads the server-sent events and, when the stream breaks (the worker
+  restarted), reconnects with the last event id it saw, so no status change is lost.
+
+`MetricsTail` reads one job's metrics.jsonl by byte offset while its detail screen is open: a
+finished job replays from the start, a running one streams.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from textual.message import Message
+
+from jobs.client import TERMINAL_STATES, JobsClient
+from jobs.errors import AuthError, JobsError, WorkerUnreachable
+
+__all__ = ["WorkerFeed", "MetricsTail", "JobsSnapshot", "WorkerEvent", "ConnectionState", "MetricRows",
+           "ACTIVE_STATES"]
+
+ACTIVE_STATES = ("PENDING", "STARTING", "RUNNING", "CANCELLING")
+ClientFactory = Callable[[], JobsClient]
+Post = Callable[[Message], Any]
+
+
+class JobsSnapshot(Message):
+    """Jobs as the worker lists them; `full` when it is every job."""
+
+    def __init__(self, jobs: list[dict[str, Any]], full: bool) -> None:
+        super().__init__()
+        self.jobs = jobs
+        self.full = full
+
+
+class WorkerEvent(Message):
+    """One server-sent event (`id`, `type`, `job_id`, ...)."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        super().__init__()
+        self.event = event
+
+
+class ConnectionState(Message):
+    """ok, down (nothing answers), auth (token refused) or error (the worker answered with an error)."""
+
+    def __init__(self, state: str, detail: str = "", retry_s: float = 0.0) -> None:
+        super().__init__()
+        self.state = state
+        self.detail = detail
+        self.retry_s = retry_s
+
+
+class MetricRows(Message):
+    def __init__(self, job_id: str, rows: list[dict[str, Any]], done: bool) -> None:
+        super().__init__()
+        self.job_id = job_id
+        self.rows = rows
+        self.done = done
+
+
+def _classify(exc: Exception) -> str:
+    if isinstance(exc, AuthError):
+        return "auth"
+    if isinstance(exc, WorkerUnreachable):
+        return "down"
+    return "error"
+
+
+class WorkerFeed:
+    def __init__(self, make_client: ClientFactory, post: Post, *, poll_s: float = 1.0,
+                 full_every_s: float = 30.0, max_backoff_s: float = 5.0) -> None:
+        self.make_client = make_client
+        self.post = post
+        self.poll_s = poll_s
+        self.full_every_s = full_every_s
+        self.max_backoff_s = max_backoff_s
+        self.last_event_id: int | None = None
+        self.events_seen = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._clients: list[JobsClient] = []
+
+    def start(self) -> None:
+        for target, name in ((self._poll_loop, "tui-poll"), (self._event_loop, "tui-events")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for c in list(self._clients):
+            try:
+                c.close()  # breaks a blocked SSE read
+            except Exception:
+                pass
+
+    def poke(self) -> None:
+        """Poll now (after an action such as cancel)."""
+        self._wake.set()
+
+    def _client(self) -> JobsClient:
+        c = self.make_client()
+        self._clients.append(c)
+        return c
+
+    # ------------------------------------------------------------ the poller
+    def _poll_loop(self) -> None:
+        client = self._client()
+        active: set[str] = set()
+        last_full = 0.0
+        backoff = 0.5
+        state = None
+        while not self._stop.is_set():
+            try:
+                full = state != "ok" or time.monotonic() - last_full > self.full_every_s
+                if full:
+                    jobs = client.list()
+                    last_full = time.monotonic()
+                else:
+                    jobs = client.list(status=",".join(ACTIVE_STATES))
+                    seen = {j["id"] for j in jobs}
+                    for gone in active - seen:  # ended since the last poll: its final row
+                        try:
+                            jobs.append(client.get(gone))
+                        except JobsError:
+                            pass
+                active = {j["id"] for j in jobs if j.get("status") in ACTIVE_STATES}
+                if self._stop.is_set():
+                    return
+                self.post(JobsSnapshot(jobs, full))
+                if state != "ok":
+                    self.post(ConnectionState("ok", client.url))
+                state, backoff = "ok", 0.5
+                wait = self.poll_s
+            except JobsError as exc:
+                state = _classify(exc)
+                wait = backoff
+                self.post(ConnectionState(state, str(exc), retry_s=wait))
+                backoff = min(self.max_backoff_s, backoff * 2)
+            except Exception as exc:  # a bug must not kill the thread silently
+                state = "error"
+                wait = backoff
+                self.post(ConnectionState("error", f"{type(exc).__name__}: {exc}", retry_s=wait))
+                backoff = min(self.max_backoff_s, backoff * 2)
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    # ------------------------------------------------------------ the event follower
+    def _event_loop(self) -> None:
+        client = self._client()
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                for ev in client.events(self.last_event_id):
+                    if self._stop.is_set():
+                        return
+                    if isinstance(ev.get("id"), int):
+                        self.last_event_id = ev["id"]
+                    self.events_seen += 1
+                    self.post(WorkerEvent(ev))
+                    backoff = 0.5
+                # The stream ended: the worker is stopping or restarting. Resume after a pause.
+            except JobsError:
+                pass
+            except Exception:
+                if self._stop.is_set():
+                    return
+            self._wake.set()  # the poller re-lists at once
+            self._stop.wait(backoff)
+            backoff = min(self.max_backoff_s, backoff * 2)
+
+
+class MetricsTail:
+    """Streams one job's metrics rows from byte 0 (a replay) while it runs; stops when asked."""
+
+    def __init__(self, make_client: ClientFactory, job_id: str, post: Post, *, poll_s: float = 0.5) -> None:
+        self.make_client = make_client
+        self.job_id = job_id
+        self.post = post
+        self.poll_s = poll_s
+        self.offset = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"tui-metrics-{job_id}", daemon=True)
+
+    def start(self) -> "MetricsTail":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        client = self.make_client()
+        try:
+            while not self._stop.is_set():
+                try:
+                    status = client.get(self.job_id).get("status")  # first: if terminal, the file is final
+                    chunk = client.metrics(self.job_id, self.offset)
+                except JobsError:
+                    self._stop.wait(2.0)
+                    continue
+                rows = chunk.get("records") or []
+                self.offset = int(chunk.get("next_offset", self.offset))
+                done = status in TERMINAL_STATES
+                if rows or done:
+                    self.post(MetricRows(self.job_id, rows, done))
+                if done and not rows:
+                    return
+                if not done:
+                    self._stop.wait(self.poll_s)
+        finally:
+            client.close()
