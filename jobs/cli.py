@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from jobs._cli import cancel, init, logs, ps, retry, schema, shard, show, submit, tui, validate, worker
+from jobs._cli import cancel, init, logs, ps, report, retry, schema, shard, show, submit, tui, validate, worker
 from jobs._cli.lazy_coercion import defer_coercion
 from jobs._cli.output import error_line
 from jobs.errors import JobsError
@@ -93,6 +93,7 @@ app.command("logs", rich_help_panel=_RUN)(logs.logs)
 app.command("cancel", rich_help_panel=_RUN)(cancel.cancel)
 app.command("retry", rich_help_panel=_RUN)(retry.retry)
 app.command("tui", rich_help_panel=_RUN)(tui.tui)
+app.command("report", rich_help_panel=_RUN)(report.report)
 app.command("validate", rich_help_panel=_SPEC)(validate.validate)
 app.command("init", rich_help_panel=_SPEC)(init.init)
 app.command("schema", rich_help_panel=_SPEC)(schema.schema)
