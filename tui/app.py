@@ -141,22 +141,32 @@ class DashboardApp(App):
             self.push_screen(HelpScreen(self.screen))
 
 
-def main(*, url: str | None = None, token: str | None = None, home: str | None = None, read_only: bool = False,
-         job: str | None = None, logs: bool = False, tail: int | None = None, poll_s: float = 1.0) -> None:
-    """Run the dashboard against the worker named by `url`/`token`, or by the state dir (`home`)."""
+def client_factory(url: str | None = None, token: str | None = None,
+                   home: str | None = None) -> tuple[ClientFactory, str]:
+    """A factory of clients, and the URL to show. What is not given is looked up at each call
+    ($OFFLOAD_JOBS_URL / _TOKEN, else the state dir), so a worker started after the dashboard,
+    with a new port or a first token, is found on the next retry."""
     import os
 
     from jobs.home import DEFAULT_URL, read_token, read_worker_info, state_home
 
     h = state_home(home)
-    if url is None:
-        url = os.environ.get("OFFLOAD_JOBS_URL") or (read_worker_info(h) or {}).get("url") or DEFAULT_URL
-    if token is None:
-        token = os.environ.get("OFFLOAD_JOBS_TOKEN") or read_token(h)
-    final_url, final_token = url, token
+
+    def resolve() -> tuple[str, str | None]:
+        u = url or os.environ.get("OFFLOAD_JOBS_URL") or (read_worker_info(h) or {}).get("url") or DEFAULT_URL
+        t = token if token is not None else (os.environ.get("OFFLOAD_JOBS_TOKEN") or read_token(h))
+        return u, t
 
     def make_client() -> JobsClient:
-        return JobsClient(final_url, final_token, timeout=10.0)
+        u, t = resolve()
+        return JobsClient(u, t, timeout=10.0)
 
-    DashboardApp(make_client, url=url, read_only=read_only, open_job=job, open_logs=logs, tail=tail,
+    return make_client, resolve()[0]
+
+
+def main(*, url: str | None = None, token: str | None = None, home: str | None = None, read_only: bool = False,
+         job: str | None = None, logs: bool = False, tail: int | None = None, poll_s: float = 1.0) -> None:
+    """Run the dashboard against the worker named by `url`/`token`, or by the state dir (`home`)."""
+    make_client, shown = client_factory(url, token, home)
+    DashboardApp(make_client, url=shown, read_only=read_only, open_job=job, open_logs=logs, tail=tail,
                  poll_s=poll_s).run()

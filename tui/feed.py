@@ -113,6 +113,15 @@ class WorkerFeed:
         self._clients.append(c)
         return c
 
+    def _renew(self, client: JobsClient) -> JobsClient:
+        try:
+            client.close()
+        except Exception:
+            pass
+        if client in self._clients:
+            self._clients.remove(client)
+        return self._client()
+
     # ------------------------------------------------------------ the poller
     def _poll_loop(self) -> None:
         client = self._client()
@@ -147,6 +156,7 @@ class WorkerFeed:
                 wait = backoff
                 self.post(ConnectionState(state, str(exc), retry_s=wait))
                 backoff = min(self.max_backoff_s, backoff * 2)
+                client = self._renew(client)  # the worker may come back elsewhere, or with a new token
             except Exception as exc:  # a bug must not kill the thread silently
                 state = "error"
                 wait = backoff
@@ -171,7 +181,7 @@ class WorkerFeed:
                     backoff = 0.5
                 # The stream ended: the worker is stopping or restarting. Resume after a pause.
             except JobsError:
-                pass
+                client = self._renew(client)
             except Exception:
                 if self._stop.is_set():
                     return

@@ -109,7 +109,7 @@ def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int 
     if limit is not None and lo <= limit <= hi:
         y = top + (hi - limit) / (hi - lo) * ph
         parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="lim"/>')
-    legend_x = 200
+    legend_x = max(200, 16 + 8 * len(chart.title))
     for i, (label, s) in enumerate(series):
         color = COLORS[i % len(COLORS)]
         run: list[str] = []
@@ -142,7 +142,7 @@ pre{background:#f6f6f6;padding:10px;overflow:auto;font-size:12px}
 svg .t{font:bold 13px sans-serif}svg .a{font:11px sans-serif}svg .n{font:12px sans-serif;fill:#888}
 svg .f{fill:#fafafa;stroke:#ccc}svg .l{fill:none;stroke-width:1.5}svg .lim{stroke:#d62728;stroke-dasharray:5 4}
 svg .lt{fill:#d62728}.imgs{display:flex;flex-wrap:wrap;gap:12px}.imgs figure{margin:0}
-.imgs img{max-width:280px;max-height:280px;border:1px solid #ccc;image-rendering:pixelated}
+.imgs img{width:192px;max-height:384px;object-fit:contain;border:1px solid #ccc;image-rendering:pixelated}
 .imgs figcaption{font-size:11px;color:#555}
 """
 
