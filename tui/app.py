@@ -65,6 +65,10 @@ class DashboardApp(App):
         self.push_screen(JobsScreen())
         if self.feed is not None:
             self.feed.start()
+        self.open_initial()
+
+    def open_initial(self) -> None:
+        """The screens to show over the jobs screen at start (`--job`, `--logs`)."""
         if self.open_job:
             self.open_detail(self.open_job, logs=self.open_logs)
 

@@ -91,7 +91,7 @@ class JobsScreen(JobActions, Screen):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
-        yield GpuPanel(reader=getattr(self.app, "gpu_reader", None), interval=1.0 if self.app.gpu_enabled else 0)
+        yield GpuPanel(reader=getattr(self.app, "gpu_reader", None), interval=1.0 if self.app.feed else 0)
         yield Input(placeholder="filter: id, name, kind or status (Enter: back to the table, Esc: clear)", id="filter")
         table: DataTable = DataTable(id="jobs", cursor_type="row", zebra_stripes=True)
         for key, label in COLUMNS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import Callable
 
 from rich.text import Text
 from textual import on
@@ -40,8 +41,10 @@ class LogsScreen(Screen):
     LogsScreen #logstatus { height: 1; padding: 0 1; background: $boost; }
     """
 
-    def __init__(self, job_id: str, *, tail: int | None = None, follow: bool = True, poll_s: float = 0.5) -> None:
+    def __init__(self, job_id: str, *, tail: int | None = None, follow: bool = True, poll_s: float = 0.5,
+                 fetch: Callable[[int, int], dict] | None = None) -> None:
         super().__init__()
+        self._own_fetch = fetch  # a recorded log (snapshots); else the worker's logs API
         self.job_id = job_id
         self.follow = follow
         self.poll_s = poll_s
@@ -50,7 +53,7 @@ class LogsScreen(Screen):
         self.error = ""
         self._client = None
         self._stop = threading.Event()
-        self.source = LogSource(self._fetch, max_lines=tail)
+        self.source = LogSource(fetch or self._fetch, max_lines=tail)
         self.opened = threading.Event()
 
     def _fetch(self, offset: int, limit: int) -> dict:
@@ -74,7 +77,7 @@ class LogsScreen(Screen):
         self.sub_title = f"logs of job {self.job_id}"
         self.view.focus()
         self._status()
-        if self.app.make_client is not None:
+        if self.app.make_client is not None or self._own_fetch is not None:
             self.run_worker(self._reader, thread=True, group=f"logs-{self.job_id}", exit_on_error=False)
         self.set_interval(self.app.refresh_s, self._status)
 
