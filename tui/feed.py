@@ -27,6 +27,7 @@ __all__ = ["WorkerFeed", "MetricsTail", "JobsSnapshot", "WorkerEvent", "Connecti
            "ACTIVE_STATES"]
 
 ACTIVE_STATES = ("PENDING", "STARTING", "RUNNING", "CANCELLING")
+LIVE_STATES = ("STARTING", "RUNNING", "CANCELLING")
 ClientFactory = Callable[[], JobsClient]
 Post = Callable[[Message], Any]
 
@@ -136,14 +137,15 @@ class WorkerFeed:
                     jobs = client.list()
                     last_full = time.monotonic()
                 else:
-                    jobs = client.list(status=",".join(ACTIVE_STATES))
+                    # Running jobs only: their metrics change; queued ones change by events (and the full list).
+                    jobs = client.list(status=",".join(LIVE_STATES))
                     seen = {j["id"] for j in jobs}
                     for gone in active - seen:  # ended since the last poll: its final row
                         try:
                             jobs.append(client.get(gone))
                         except JobsError:
                             pass
-                active = {j["id"] for j in jobs if j.get("status") in ACTIVE_STATES}
+                active = {j["id"] for j in jobs if j.get("status") in LIVE_STATES}
                 if self._stop.is_set():
                     return
                 self.post(JobsSnapshot(jobs, full))

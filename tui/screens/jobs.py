@@ -126,6 +126,8 @@ class JobsScreen(JobActions, Screen):
 
     def sync(self, rebuild: bool = False) -> None:
         """Apply what changed since the last call: new rows, removed rows, and changed cells only."""
+        if not self.is_current and not rebuild:
+            return  # under the detail screen: caught up when shown again
         now = self.app.clock()
         ages_due = now - self._age_tick >= 1.0
         if not rebuild and self.app.version == self._seen and not ages_due:
