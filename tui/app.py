@@ -1,7 +1,9 @@
 """`DashboardApp`: the Textual dashboard of a worker, and `main()` for `offload-jobs tui`.
 
-The app holds the one copy of what it knows about jobs (`jobs`, merged from polls and events);
-screens read it on their own timers and redraw what changed. It talks to the worker only through
+The app holds the one copy of what it knows about jobs (`jobs`, merged from polls and events) and
+marks each job it changed with the `version` of that change (`changed_at`), so a screen's timer
+(every `refresh_s`, a few times a second at most) redraws only the jobs changed since it last
+looked, and nothing when nothing changed. It talks to the worker only through
 `jobs.client.JobsClient`, on background threads (`tui.feed`).
 """
 
@@ -35,7 +37,7 @@ class DashboardApp(App):
     """
 
     def __init__(self, make_client: ClientFactory | None = None, *, url: str = "", read_only: bool = False,
-                 poll_s: float = 1.0, refresh_s: float = 0.5, open_job: str | None = None, open_logs: bool = False,
+                 poll_s: float = 1.0, refresh_s: float = 0.25, open_job: str | None = None, open_logs: bool = False,
                  tail: int | None = None, follow: bool = True, clock: Callable[[], float] = time.time,
                  feed: bool = True, gpu: bool = True, start_dir: str | None = None) -> None:
         super().__init__()
@@ -53,6 +55,7 @@ class DashboardApp(App):
         self.jobs: dict[str, dict[str, Any]] = {}
         self.job_events: dict[str, deque[dict[str, Any]]] = {}
         self.version = 0  # bumped on every change to `jobs`
+        self.changed_at: dict[str, int] = {}  # job id -> the version that last changed (or removed) it
         self.connection = ConnectionState("connecting", url)
         self.feed = WorkerFeed(make_client, self.post_message, poll_s=poll_s) if feed and make_client else None
         self.refreshes = 0  # data refreshes drawn (read by the cost bench)
@@ -83,19 +86,30 @@ class DashboardApp(App):
         return self.make_client()
 
     # ------------------------------------------------------------ the model
+    def touch(self, job_id: str) -> None:
+        """Mark one job as changed (or gone) for the screens to redraw."""
+        self.version += 1
+        self.changed_at[job_id] = self.version
+
     def merge_jobs(self, jobs: list[dict[str, Any]], full: bool = False) -> None:
+        """Merge listed jobs; only a job whose fields differ counts as changed."""
         if full:
             keep = {j["id"] for j in jobs if "id" in j}
             for gone in [k for k in self.jobs if k not in keep]:
                 del self.jobs[gone]
+                self.touch(gone)
         for j in jobs:
-            if "id" in j:
-                cur = self.jobs.get(j["id"])
-                if cur is None:
-                    self.jobs[j["id"]] = dict(j)
-                else:
-                    cur.update(j)
-        self.version += 1
+            job_id = j.get("id")
+            if job_id is None:
+                continue
+            cur = self.jobs.get(job_id)
+            if cur is None:
+                self.jobs[job_id] = dict(j)
+            elif any(cur.get(k) != v for k, v in j.items()):
+                cur.update(j)
+            else:
+                continue
+            self.touch(job_id)
 
     def on_jobs_snapshot(self, msg: JobsSnapshot) -> None:
         self.merge_jobs(msg.jobs, msg.full)
@@ -118,7 +132,7 @@ class DashboardApp(App):
                 job["started_at"] = ev.get("ts")
             if ev.get("status") in ("SUCCEEDED", "FAILED", "CANCELLED"):
                 job["finished_at"] = ev.get("ts")
-        self.version += 1
+        self.touch(job_id)
 
     def on_connection_state(self, msg: ConnectionState) -> None:
         self.connection = msg

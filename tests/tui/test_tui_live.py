@@ -25,7 +25,7 @@ async def test_table_shows_status_change_live_and_detail_charts_fill(worker) -> 
         await pilot.pause(1.0)  # the event stream connects
         with worker.client() as c:
             jid = c.submit(engine_job("tui-live", steps=40, rate=10))["id"]
-        await until(pilot, lambda: table.row_count and jid in app.screen._rows, what="the job's row")
+        await until(pilot, lambda: table.row_count and jid in app.screen.shown, what="the job's row")
         seen = set()
 
         def status() -> str:
@@ -64,10 +64,10 @@ async def test_filter_cancel_with_confirm_and_read_only(worker) -> None:
     app = make_app(worker)
     async with app.run_test(size=(160, 40)) as pilot:
         screen = app.screen
-        await until(pilot, lambda: sleeper in screen._rows and other in screen._rows, what="both rows")
+        await until(pilot, lambda: sleeper in screen.shown and other in screen.shown, what="both rows")
         await pilot.press("slash")
         await pilot.press(*"sleeper")
-        await until(pilot, lambda: list(screen._rows) == [sleeper], what="the filter to leave one row")
+        await until(pilot, lambda: list(screen.shown) == [sleeper], what="the filter to leave one row")
         await pilot.press("enter")  # back to the table
         await until(pilot, lambda: cell_text(screen.table, sleeper, "status").startswith("RUNNING"), what="RUNNING")
         await pilot.press("c")
@@ -81,11 +81,11 @@ async def test_filter_cancel_with_confirm_and_read_only(worker) -> None:
         await until(pilot, lambda: cell_text(screen.table, sleeper, "status").startswith("CANCELLED"),
                     what="CANCELLED in the table", timeout=30)
         await pilot.press("escape")  # clears the filter
-        await until(pilot, lambda: other in screen._rows, what="the other row back")
+        await until(pilot, lambda: other in screen.shown, what="the other row back")
 
     ro = make_app(worker, read_only=True)
     async with ro.run_test(size=(160, 40)) as pilot:
-        await until(pilot, lambda: sleeper in ro.screen._rows, what="rows")
+        await until(pilot, lambda: sleeper in ro.screen.shown, what="rows")
         assert ro.screen.check_action("cancel", ()) is False and ro.screen.check_action("retry", ()) is False
         await pilot.press("c")
         await pilot.press("r")

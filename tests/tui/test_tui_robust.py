@@ -34,7 +34,7 @@ async def test_worker_down_at_start_says_so_and_retries_until_it_is_up(tmp_path,
             with w.client() as c:
                 jid = c.submit({"kind": "command", "name": "after-start", "command": "true"})["id"]
             await until(pilot, lambda: app.connection.state == "ok", what="connected", timeout=30)
-            await until(pilot, lambda: jid in app.screen._rows, what="the job in the table")
+            await until(pilot, lambda: jid in app.screen.shown, what="the job in the table")
             assert "● worker" in _bar(app)
         finally:
             w.stop()
