@@ -4,7 +4,8 @@ The app holds the one copy of what it knows about jobs (`jobs`, merged from poll
 marks each job it changed with the `version` of that change (`changed_at`), so a screen's timer
 (every `refresh_s`, a few times a second at most) redraws only the jobs changed since it last
 looked, and nothing when nothing changed. It talks to the worker only through
-`jobs.client.JobsClient`, on background threads (`tui.feed`).
+`jobs.client.JobsClient`, on background threads (`tui.feed`), started after the first frame is on
+screen: the first frame never waits for the worker.
 """
 
 from __future__ import annotations
@@ -60,15 +61,33 @@ class DashboardApp(App):
         self.feed = WorkerFeed(make_client, self.post_message, poll_s=poll_s) if feed and make_client else None
         self.refreshes = 0  # data refreshes drawn (read by the cost bench)
         self._client: JobsClient | None = None
+        self.started = (time.perf_counter(), time.process_time())
+        self.first_frame: tuple[float, float] | None = None  # (wall s, process CPU s) from __init__
+        self._after_first_frame: list[Callable[[], Any]] = []
 
     # ------------------------------------------------------------ lifecycle
     def on_mount(self) -> None:
         from tui.screens.jobs import JobsScreen
 
         self.push_screen(JobsScreen())
+        self.open_initial()
+
+    def on_ready(self) -> None:
+        """The first frame is on screen: now ask the worker (and NVML) for data."""
+        self.first_frame = (time.perf_counter() - self.started[0], time.process_time() - self.started[1])
         if self.feed is not None:
             self.feed.start()
-        self.open_initial()
+        waiting, self._after_first_frame = self._after_first_frame, []
+        for callback in waiting:
+            callback()
+
+    def after_first_frame(self, callback: Callable[[], Any]) -> None:
+        """Run `callback` once the first frame is drawn (now, if it is): threads that fetch data
+        start there, so the first frame does not share the CPU with them."""
+        if self.first_frame is not None:
+            callback()
+        else:
+            self._after_first_frame.append(callback)
 
     def open_initial(self) -> None:
         """The screens to show over the jobs screen at start (`--job`, `--logs`)."""

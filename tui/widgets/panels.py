@@ -14,7 +14,8 @@ __all__ = ["GpuPanel", "ConnectionBar"]
 
 
 class GpuPanel(Static):
-    """Device totals from NVML (or why there are none) and the host's RAM, read once a second."""
+    """Device totals from NVML (or why there are none) and the host's RAM, read once a second
+    on a thread from the first frame on; redrawn only when the text changes."""
 
     DEFAULT_CSS = """
     GpuPanel { height: auto; max-height: 4; padding: 0 1; background: $boost; }
@@ -25,8 +26,19 @@ class GpuPanel(Static):
         self.reader = reader or read_panel
         self.interval = interval
         self.data: PanelData | None = None
+        self._shown: Text | None = None
 
     def on_mount(self) -> None:
+        # NVML's init and psutil's import happen on the reading thread, after the first frame.
+        after = getattr(self.app, "after_first_frame", None)
+        if after is not None:
+            after(self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        if not self.is_attached:
+            return
         self._poll()
         if self.interval > 0:
             self.set_interval(self.interval, self._poll)
@@ -58,7 +70,10 @@ class GpuPanel(Static):
         if data.host_total:
             text.append("   host RAM ", style="bold")
             text.append(fmt_ratio_bytes(data.host_used, data.host_total))
-        self.update(text)
+        if text != self._shown:
+            lines_before = self._shown.plain.count("\n") if self._shown is not None else -1
+            self._shown = text
+            self.update(text, layout=text.plain.count("\n") != lines_before)  # same height: no layout pass
 
 
 class ConnectionBar(Static):
@@ -69,6 +84,8 @@ class ConnectionBar(Static):
     ConnectionBar.-bad { background: $error 40%; }
     """
 
+    _drawn: tuple | None = None
+
     def on_mount(self) -> None:
         self.sync()
         self.set_interval(self.app.refresh_s, self.sync)  # type: ignore[attr-defined]
@@ -76,6 +93,10 @@ class ConnectionBar(Static):
     def sync(self) -> None:
         conn = self.app.connection  # type: ignore[attr-defined]
         url = self.app.url  # type: ignore[attr-defined]
+        key = (conn.state, conn.detail, conn.retry_s, url)
+        if key == self._drawn:
+            return
+        self._drawn = key
         text = Text(no_wrap=True, overflow="ellipsis")
         bad = conn.state not in ("ok", "connecting", "offline")
         if conn.state == "ok":
@@ -93,4 +114,4 @@ class ConnectionBar(Static):
             if conn.retry_s:
                 text.append(f" (retrying every {conn.retry_s:.0f}s)" if conn.retry_s >= 1 else " (retrying)")
         self.set_class(bad, "-bad")
-        self.update(text)
+        self.update(text, layout=False)  # always one line
