@@ -245,6 +245,12 @@ def _output_file(self: JobsClient, job_id: str, path: str) -> bytes:
     return r.content
 
 
+def _last_event_id(self: JobsClient) -> int:
+    """The id of the worker's newest event: `events()` from it misses nothing that follows."""
+    return int(self._request("GET", "/v1/events/last")["id"])
+
+
 JobsClient.job_events = _job_events  # type: ignore[attr-defined]
+JobsClient.last_event_id = _last_event_id  # type: ignore[attr-defined]
 JobsClient.outputs = _outputs  # type: ignore[attr-defined]
 JobsClient.output_file = _output_file  # type: ignore[attr-defined]

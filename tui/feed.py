@@ -5,11 +5,17 @@ Two threads per app, each with its own `JobsClient` (the SSE stream holds its co
 - the poller lists the active jobs every `poll_s` (their last metrics: progress, VRAM, cache
   hits), fetches the jobs that left the active set, and the whole list on (re)connect and every
   `full_every_s`; it also says whether the worker answers, and why not (down, bad token, error);
-- the event follower reads the server-sent events and, when the stream breaks (the worker
-  restarted), reconnects with the last event id it saw, so no status change is lost.
+- the event follower first asks the worker for its newest event id, then has the poller list
+  every job, then reads the server-sent events from that id: nothing that happens between the
+  list and the stream is lost. When the stream breaks (the worker restarted) it reconnects with
+  the last event id it saw, so no status change is lost either.
+
+Both threads block on the network or on a timer between rounds; neither spins.
 
 `MetricsTail` reads one job's metrics.jsonl by byte offset while its detail screen is open: a
-finished job replays from the start, a running one streams.
+finished job replays from the start, a running one streams. It asks only for the bytes added
+since its last read, and takes the job's status from the app (which events keep current)
+instead of asking the worker for the whole job each round.
 """
 
 from __future__ import annotations
@@ -85,8 +91,10 @@ class WorkerFeed:
         self.max_backoff_s = max_backoff_s
         self.last_event_id: int | None = None
         self.events_seen = 0
+        self.positioned = threading.Event()  # the stream's start is known: no event is missed from here
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._relist = threading.Event()
         self._threads: list[threading.Thread] = []
         self._clients: list[JobsClient] = []
 
@@ -130,10 +138,13 @@ class WorkerFeed:
         last_full = 0.0
         backoff = 0.5
         state = None
+        # The first list after the stream's start is known (one small request), so it need not be taken twice.
+        self.positioned.wait(min(1.0, self.poll_s))
         while not self._stop.is_set():
             try:
-                full = state != "ok" or time.monotonic() - last_full > self.full_every_s
+                full = state != "ok" or self._relist.is_set() or time.monotonic() - last_full > self.full_every_s
                 if full:
+                    self._relist.clear()
                     jobs = client.list()
                     last_full = time.monotonic()
                 else:
@@ -173,6 +184,11 @@ class WorkerFeed:
         backoff = 0.5
         while not self._stop.is_set():
             try:
+                if not self.positioned.is_set():
+                    self.last_event_id = _newest_event_id(client)
+                    self.positioned.set()
+                    self._relist.set()  # what happened before that id: in a list taken after it
+                    self._wake.set()
                 for ev in client.events(self.last_event_id):
                     if self._stop.is_set():
                         return
@@ -192,14 +208,28 @@ class WorkerFeed:
             backoff = min(self.max_backoff_s, backoff * 2)
 
 
-class MetricsTail:
-    """Streams one job's metrics rows from byte 0 (a replay) while it runs; stops when asked."""
+def _newest_event_id(client: JobsClient) -> int | None:
+    try:
+        return client.last_event_id()  # type: ignore[attr-defined]
+    except (WorkerUnreachable, AuthError):
+        raise
+    except JobsError:
+        return None  # a worker without the endpoint: stream from now on
 
-    def __init__(self, make_client: ClientFactory, job_id: str, post: Post, *, poll_s: float = 0.5) -> None:
+
+class MetricsTail:
+    """Streams one job's metrics rows from byte 0 (a replay) while it runs; stops when asked.
+
+    `status_of()` gives the job's status as the app knows it; without it the tail asks the worker.
+    """
+
+    def __init__(self, make_client: ClientFactory, job_id: str, post: Post, *, poll_s: float = 0.5,
+                 status_of: Callable[[], str | None] | None = None) -> None:
         self.make_client = make_client
         self.job_id = job_id
         self.post = post
         self.poll_s = poll_s
+        self.status_of = status_of
         self.offset = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"tui-metrics-{job_id}", daemon=True)
@@ -216,7 +246,8 @@ class MetricsTail:
         try:
             while not self._stop.is_set():
                 try:
-                    status = client.get(self.job_id).get("status")  # first: if terminal, the file is final
+                    # The status first: if it was terminal before the read, the file is final.
+                    status = self.status_of() if self.status_of is not None else client.get(self.job_id).get("status")
                     chunk = client.metrics(self.job_id, self.offset)
                 except JobsError:
                     self._stop.wait(2.0)

@@ -290,6 +290,11 @@ def _list_outputs(outputs: Path, limit: int = 2000) -> list[dict[str, Any]]:
 
 
 def add_job_file_routes(app: FastAPI) -> None:
+    @app.get("/v1/events/last")
+    def last_event() -> Response:
+        # A dashboard lists jobs after reading this, then streams events from it: no gap between.
+        return _json({"id": app.state.store.last_event_id()})
+
     @app.get("/v1/jobs/{job_id}/events")
     def job_events(job_id: str) -> Response:
         run_path, _ = _outputs_dir(app, job_id)
