@@ -2,6 +2,10 @@
 
 A running job's rows stream in (`MetricsTail` every half second); a finished job's metrics.jsonl is
 replayed from the start into the same charts.
+
+Each part is redrawn only when what it shows changed: the charts and the summary when rows
+arrive (or the job changes), the events when there are new ones, the spec once, the files when
+the list differs, and the latest-metrics tab only while it is the tab in view.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from tui.widgets.chart import TimeChart
 from tui.widgets.panels import ConnectionBar
 
 __all__ = ["DetailScreen", "summary_text", "latest_text"]
+
+DETAILS_EVERY_S = 10.0  # a running job's checkpoints and samples: re-listed this often
 
 
 def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
@@ -111,7 +117,7 @@ class DetailScreen(JobActions, Screen):
         self.files: list[dict[str, Any]] = []
         self.past_events: list[dict[str, Any]] = []
         self.detail: dict[str, Any] = {}
-        self._drawn = (-1, -1, "")
+        self._drawn: dict[str, Any] = {}  # part -> the key it was last drawn for
         self._details_at = 0.0
 
     def selected_job_id(self) -> str | None:
@@ -150,10 +156,18 @@ class DetailScreen(JobActions, Screen):
             self.history.extend(replay[self.job_id])
             self.replayed = True
         elif self.app.make_client is not None:
-            self.tail = MetricsTail(self.app.make_client, self.job_id, self.app.post_message).start()
-            self._load_details()
+            self.app.after_first_frame(self._start_feeds)
         self.sync()
-        self.set_interval(self.app.refresh_s, self.sync)
+        self._timer = self.set_interval(self.app.refresh_s, self.sync)
+
+    def _start_feeds(self) -> None:
+        if not self.is_attached:
+            return
+        jobs, job_id = self.app.jobs, self.job_id
+        # With a feed, events keep the app's status current: no need to ask for the job each round.
+        status_of = (lambda: jobs.get(job_id, {}).get("status")) if self.app.feed is not None else None
+        self.tail = MetricsTail(self.app.make_client, job_id, self.app.post_message, status_of=status_of).start()
+        self._load_details()
 
     def on_unmount(self) -> None:
         if self.tail is not None:
@@ -192,28 +206,67 @@ class DetailScreen(JobActions, Screen):
         self.detail, self.past_events, self.files = detail, events, files
         if self.history.budget is None:
             self.history.budget = budget_of(detail.get("spec"))
-        self._drawn = (-1, -1, "")
         self.sync()
 
     # ------------------------------------------------------------ drawing
+    def _due(self, part: str, key: Any) -> bool:
+        """Whether `part` shows something else than when last drawn (and remember `key`)."""
+        if self._drawn.get(part, self) == key:
+            return False
+        self._drawn[part] = key
+        return True
+
     def sync(self) -> None:
         job = self.job
-        key = (self.history.rows, self.app.version, str(job.get("status")))
-        running = job.get("status") not in ("SUCCEEDED", "FAILED", "CANCELLED")
-        if self.tail is not None and running and time.monotonic() - self._details_at > 5.0:
+        status = str(job.get("status"))
+        running = status not in ("SUCCEEDED", "FAILED", "CANCELLED")
+        if self.tail is not None and running and time.monotonic() - self._details_at > DETAILS_EVERY_S:
             self._load_details()  # new checkpoints and samples
-        if key == self._drawn:
+        if not self.is_current:
             return
-        self._drawn = key
-        self.query_one("#summary", Static).update(summary_text(job, self.history, self.app.clock()))
-        for chart in self.query(TimeChart):
-            chart.refresh_data()
-        self.query_one("#latest", Static).update(latest_text(self.history))
-        self.query_one("#events", Static).update(self._events_text())
+        rows, version = self.history.rows, self.app.changed_at.get(self.job_id, 0)
+        now = self.app.clock()
+        drew = False
+        # The runtime in the summary ticks while the job runs: once a second is enough.
+        if self._due("summary", (rows, version, int(now) if running else 0)):
+            self._draw_summary(summary_text(job, self.history, now))
+            drew = True
+        if self._due("charts", rows):
+            for chart in self.query(TimeChart):
+                chart.refresh_data()
+            drew = True
+        events = self.app.job_events.get(self.job_id, ())
+        if self._due("events", (len(self.past_events), len(events), events[-1].get("id") if events else None,
+                                len(self.detail.get("attempts") or ()))):
+            self.query_one("#events", Static).update(self._events_text())
         spec = job.get("spec") or {}
-        self.query_one("#spec", Static).update(yaml.safe_dump(spec, sort_keys=False) if spec else "(no spec yet)")
-        self.query_one("#outputs", Static).update(self._outputs_text())
-        self.app.refreshes += 1
+        if self._due("spec", spec):
+            self.query_one("#spec", Static).update(yaml.safe_dump(spec, sort_keys=False) if spec else "(no spec yet)")
+        if self._due("outputs", (self.files, self.history.latest.get("checkpoint_step"),
+                                 self.history.latest.get("checkpoint"))):
+            self.query_one("#outputs", Static).update(self._outputs_text())
+        if self.query_one("#tabs", TabbedContent).active == "tab-latest" and self._due("latest", rows):
+            self.query_one("#latest", Static).update(latest_text(self.history))
+        if drew:
+            self.app.refreshes += 1
+
+    def _draw_summary(self, text: Text) -> None:
+        box = self.query_one("#summary", Static)
+        width = box.content_size.width
+        shape = (width, len(text.wrap(self.app.console, width)) if width > 0 else -1)
+        # A layout pass only when its height may change (the text wraps to another line count).
+        box.update(text, layout=shape != self._drawn.get("summary-shape") or width <= 0)
+        self._drawn["summary-shape"] = shape
+
+    def on_tabbed_content_tab_activated(self) -> None:
+        self.sync()  # the latest-metrics tab is drawn only while shown
+
+    def on_screen_suspend(self) -> None:
+        self._timer.pause()  # under the logs screen: rows are still collected, drawn when shown again
+
+    def on_screen_resume(self) -> None:
+        self._timer.resume()
+        self.sync()
 
     def _events_text(self) -> Text:
         seen: set[Any] = set()

@@ -116,10 +116,14 @@ class JobsScreen(JobActions, Screen):
     def on_mount(self) -> None:
         self.sub_title = self.app.url
         self.sync()
-        self.set_interval(self.app.refresh_s, self.sync)
+        self._timer = self.set_interval(self.app.refresh_s, self.sync)
         self.watch(self.table, "scroll_y", self._scrolled, init=False)
 
+    def on_screen_suspend(self) -> None:
+        self._timer.pause()  # under another screen: nothing to draw
+
     def on_screen_resume(self) -> None:
+        self._timer.resume()
         self.sync()  # back from the detail screen: what changed meanwhile
 
     # ------------------------------------------------------------ drawing
