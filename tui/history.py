@@ -23,9 +23,13 @@ EMA_ALPHA = 0.1
 
 
 class Series:
-    """(x, y) points, at most `capacity`; y may be NaN (drawn as a gap)."""
+    """(x, y) points, at most `capacity`; y may be NaN (drawn as a gap).
 
-    __slots__ = ("xs", "ys", "capacity", "stride", "_pending")
+    It keeps its finite range and last finite value as points arrive, and caches its squeezed
+    columns (`columns`), so a chart redrawn after a few new rows does work for those rows only.
+    """
+
+    __slots__ = ("xs", "ys", "capacity", "stride", "_pending", "_lo", "_hi", "_last", "_cols")
 
     def __init__(self, capacity: int = 2048) -> None:
         self.xs: list[float] = []
@@ -33,18 +37,32 @@ class Series:
         self.capacity = max(8, capacity)
         self.stride = 1
         self._pending = 0
+        self._lo = self._hi = self._last = None
+        self._cols: tuple[int, int, list[float]] | None = None
 
     def append(self, x: float, y: float | None) -> None:
         self._pending += 1
         if self._pending < self.stride:
             return
         self._pending = 0
+        y = math.nan if y is None else y
         self.xs.append(x)
-        self.ys.append(math.nan if y is None else y)
+        self.ys.append(y)
+        if y == y:  # not NaN
+            self._last = y
+            self._lo = y if self._lo is None else min(self._lo, y)
+            self._hi = y if self._hi is None else max(self._hi, y)
         if len(self.xs) >= self.capacity:
             self.xs = self.xs[::2]
             self.ys = self.ys[::2]
             self.stride *= 2
+            self._rescan()
+
+    def _rescan(self) -> None:
+        kept = self.finite()
+        self._lo, self._hi = (min(kept), max(kept)) if kept else (None, None)
+        self._last = kept[-1] if kept else None
+        self._cols = None
 
     def __len__(self) -> int:
         return len(self.xs)
@@ -53,10 +71,31 @@ class Series:
         return [y for y in self.ys if math.isfinite(y)]
 
     def last(self) -> float | None:
-        for y in reversed(self.ys):
-            if math.isfinite(y):
-                return y
-        return None
+        return self._last
+
+    def range(self) -> tuple[float, float] | None:
+        """(min, max) of the finite values, or None when there are none."""
+        return None if self._lo is None else (self._lo, self._hi)
+
+    def columns(self, n: int) -> list[float]:
+        """At most `n` values: all of them if they fit, else the max of each run of ceil(len / n)
+        (NaN where a run has none). Cached: after a few appends only the last runs are redone."""
+        ys = self.ys
+        m = len(ys)
+        if m <= n:
+            return list(ys)
+        k = -(-m // n)
+        cached = self._cols
+        if cached is not None and cached[0] == n and cached[1] == k:
+            out = cached[2]
+            del out[max(0, len(out) - 1):]  # the last run may have grown
+        else:
+            out = []
+        nan = math.nan
+        for start in range(len(out) * k, m, k):
+            out.append(max((y for y in ys[start:start + k] if y == y), default=nan))
+        self._cols = (n, k, out)
+        return out
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ async def test_table_shows_status_change_live_and_detail_charts_fill(worker) -> 
         pinned = detail.query_one("#chart-pinned", TimeChart)
         await pilot.pause(0.3)
         assert detail.history.get("pinned_used").finite()
-        assert any(0x2800 < ord(ch) <= 0x28FF for ch in pinned.render().plain)  # braille points drawn
+        assert any(0x2800 < ord(ch) <= 0x28FF for ch in pinned.plot_text().plain)  # braille points drawn
         assert detail.history.get("loss").finite() and detail.history.get("loss_ema").finite()
         await until(pilot, lambda: detail.job.get("status") == "SUCCEEDED", what="SUCCEEDED", timeout=90)
         await until(pilot, lambda: detail.replayed, what="the last rows")

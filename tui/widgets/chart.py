@@ -1,7 +1,10 @@
 """`TimeChart`: a few series drawn as braille lines, with a ceiling line (budget, capacity).
 
 Cheap on purpose: a chart is redrawn only when its data changed or it was resized, and a redraw
-is one pass over at most two points per cell column. NaN and missing values are gaps.
+is one pass over at most two points per cell column. It draws through Textual's line API: the
+plot's lines become strips once per change (Rich's renderer, straight to segments), and a
+repaint hands them out; going through a `render()` Text cost more than drawing the plot itself.
+NaN and missing values are gaps.
 """
 
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
+from textual.strip import Strip
 from textual.widget import Widget
 
 from tui.fmt import fmt_bytes, fmt_num, fmt_pct
@@ -37,66 +43,59 @@ def format_value(value: float | None, unit: str) -> str:
     return fmt_num(value, 4)
 
 
-def _columns(series: Series, n: int) -> list[float]:
-    """The series squeezed (or not) into `n` x positions: the max of each bucket, NaN for none."""
-    ys = series.ys
-    if not ys:
-        return []
-    if len(ys) <= n:
-        return list(ys)
-    out = []
-    for i in range(n):
-        lo, hi = i * len(ys) // n, (i + 1) * len(ys) // n
-        bucket = [y for y in ys[lo:max(hi, lo + 1)] if math.isfinite(y)]
-        out.append(max(bucket) if bucket else math.nan)
-    return out
-
-
 def braille_plot(series: list[Series], width: int, height: int, lo: float, hi: float,
                  limit: float | None = None) -> list[list[tuple[int, int]]]:
     """Cells [row][col] = (dot bits, color index; -1 for none, -2 for the limit line)."""
-    cells = [[(0, -1) for _ in range(width)] for _ in range(height)]
     if width <= 0 or height <= 0:
-        return cells
+        return [[(0, -1)] * max(0, width) for _ in range(max(0, height))]
+    bits = [0] * (width * height)
+    colors = [-1] * (width * height)
     span = (hi - lo) or 1.0
     rows = height * 4
+    last_row = rows - 1
+    dots = _DOTS
 
     def ypix(v: float) -> int:
-        return min(rows - 1, max(0, int(round((hi - v) / span * (rows - 1)))))
-
-    def dot(px: int, py: int, color: int) -> None:
-        cx, cy = px // 2, py // 4
-        if 0 <= cx < width and 0 <= cy < height:
-            bits, c = cells[cy][cx]
-            cells[cy][cx] = (bits | _DOTS[px % 2][py % 4], color if c < 0 or color >= 0 else c)
+        return min(last_row, max(0, int(round((hi - v) / span * last_row))))
 
     if limit is not None and math.isfinite(limit) and lo <= limit <= hi:
         py = ypix(limit)
-        for px in range(0, width * 2, 2):
-            dot(px, py, -2)
+        bit, base = dots[0][py & 3], (py >> 2) * width
+        for cx in range(width):
+            bits[base + cx] |= bit
+            if colors[base + cx] < 0:
+                colors[base + cx] = -2
     for idx, s in enumerate(series):
-        cols = _columns(s, width * 2)
+        cols = s.columns(width * 2)
         if not cols:
             continue
         scale = (width * 2 - 1) / max(1, len(cols) - 1)  # few points: stretch them over the width
         prev: tuple[int, int] | None = None
         for j, y in enumerate(cols):
-            if not math.isfinite(y):
+            if y != y:  # NaN: a gap
                 prev = None
                 continue
             px, py = int(round(j * scale)), ypix(y)
             if prev is None:
-                dot(px, py, idx)
+                spans = ((px, py, py),)
             else:  # a line from the previous point: interpolate across, then a vertical run
                 x0, y0 = prev
+                spans = []
                 for x in range(x0 + 1, px + 1):
                     yi = int(round(y0 + (py - y0) * (x - x0) / (px - x0)))
                     yp = int(round(y0 + (py - y0) * (x - 1 - x0) / (px - x0)))
-                    lo_y, hi_y = min(yi, yp), max(yi, yp)
-                    for q in range(lo_y, hi_y + 1):
-                        dot(x, q, idx)
+                    spans.append((x, min(yi, yp), max(yi, yp)))
+            for x, y_lo, y_hi in spans:
+                cx = x >> 1
+                if not 0 <= cx < width:
+                    continue
+                col_bits = dots[x & 1]
+                for q in range(y_lo, y_hi + 1):
+                    i = (q >> 2) * width + cx
+                    bits[i] |= col_bits[q & 3]
+                    colors[i] = idx
             prev = (px, py)
-    return cells
+    return [list(zip(bits[r * width:(r + 1) * width], colors[r * width:(r + 1) * width])) for r in range(height)]
 
 
 class TimeChart(Widget):
@@ -116,7 +115,7 @@ class TimeChart(Widget):
         self.chart = chart
         self._history_of = history_of
         self._version = -1
-        self._cache: tuple[tuple[int, int, int], Text] | None = None
+        self._strips: tuple[tuple[int, int, int], list[Strip]] | None = None
         self.border_title = chart.title
 
     def refresh_data(self) -> None:
@@ -140,47 +139,69 @@ class TimeChart(Widget):
             text.append(format_value(cap, self.chart.unit) if cap else "none", style="bold")
         return text
 
-    def render(self) -> Text:
+    def render_line(self, y: int) -> Strip:
         h = self._history_of()
         w, ht = self.content_size.width, self.content_size.height
         key = (h.rows, w, ht)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
+        if self._strips is None or self._strips[0] != key:
+            base = self.rich_style
+            console = self.app.console
+            legend = self._legend(h)
+            legend.truncate(w, overflow="ellipsis")
+            strips = [Strip(legend.render(console), legend.cell_len).apply_style(base)]
+            styles = {name: base + Style.parse(name) if name else base for name in (*COLORS, LIMIT_COLOR, "dim", None)}
+            for runs in self._plot_rows(h, w, ht):
+                strips.append(Strip([Segment(text, styles[style]) for text, style in runs]))
+            self._strips = (key, strips)
+        strips = self._strips[1]
+        return strips[y] if y < len(strips) else Strip.blank(w, self.rich_style)
+
+    def plot_text(self) -> Text:
+        """The chart as Text: the legend line, then the plot's lines (what `render_line` draws)."""
+        h = self._history_of()
         text = self._legend(h)
+        for runs in self._plot_rows(h, self.content_size.width, self.content_size.height):
+            text.append("\n")
+            for run, style in runs:
+                text.append(run, style=style)
+        return text
+
+    def _plot_rows(self, h: MetricHistory, w: int, ht: int) -> list[list[tuple[str, str | None]]]:
+        """The lines under the legend, as runs of (text, style)."""
         plot_h = max(0, ht - 1)
         label_w = 7
         plot_w = max(0, w - label_w - 1)
         series = [h.get(name) for name, _ in self.chart.series]
-        values = [y for s in series for y in s.finite()]
+        ranges = [r for r in (s.range() for s in series) if r is not None]
         limit = h.get(self.chart.limit).last() if self.chart.limit else None
         if self.chart.unit == "pct":
             lo, hi = 0.0, 1.0
-        elif values:
-            hi = max(values + ([limit] if limit else []))
-            lo = 0.0 if self.chart.unit in ("bytes", "gbps", "ms") else min(values)
+        elif ranges:
+            hi = max(r[1] for r in ranges)
+            hi = max(hi, limit) if limit else hi
+            lo = 0.0 if self.chart.unit in ("bytes", "gbps", "ms") else min(r[0] for r in ranges)
             if hi == lo:
                 hi = lo + (abs(lo) * 0.1 or 1.0)
         else:
             lo, hi = 0.0, (limit or 1.0)
-        if not values:
-            text.append("\n" + "waiting for metrics" if plot_h else "", style="dim")
-        elif plot_h and plot_w:
-            cells = braille_plot(series, plot_w, plot_h, lo, hi, limit)
-            top, bottom = format_value(hi, self.chart.unit), format_value(lo, self.chart.unit)
-            for r, row in enumerate(cells):
-                text.append("\n")
-                label = top if r == 0 else bottom if r == plot_h - 1 else ""
-                text.append(label.rjust(label_w)[:label_w] + " ", style="dim")
-                run_style, run = None, []
-                for bits, color in row:
-                    style = LIMIT_COLOR if color == -2 else COLORS[color % len(COLORS)] if color >= 0 else None
-                    ch = chr(0x2800 + bits) if bits else " "
-                    if style != run_style and run:
-                        text.append("".join(run), style=run_style)
-                        run = []
-                    run_style = style
-                    run.append(ch)
-                if run:
-                    text.append("".join(run), style=run_style)
-        self._cache = (key, text)
-        return text
+        if not ranges:
+            return [[("waiting for metrics", "dim")]] if plot_h else []
+        if not (plot_h and plot_w):
+            return []
+        rows = []
+        top, bottom = format_value(hi, self.chart.unit), format_value(lo, self.chart.unit)
+        for r, row in enumerate(braille_plot(series, plot_w, plot_h, lo, hi, limit)):
+            label = top if r == 0 else bottom if r == plot_h - 1 else ""
+            runs: list[tuple[str, str | None]] = [(label.rjust(label_w)[:label_w] + " ", "dim")]
+            run_style, run = None, []
+            for bits, color in row:
+                style = LIMIT_COLOR if color == -2 else COLORS[color % len(COLORS)] if color >= 0 else None
+                if style != run_style and run:
+                    runs.append(("".join(run), run_style))
+                    run = []
+                run_style = style
+                run.append(chr(0x2800 + bits) if bits else " ")
+            if run:
+                runs.append(("".join(run), run_style))
+            rows.append(runs)
+        return rows
