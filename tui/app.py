@@ -154,7 +154,12 @@ class DashboardApp(App):
         self.touch(job_id)
 
     def on_connection_state(self, msg: ConnectionState) -> None:
+        from tui.widgets.panels import ConnectionBar
+
         self.connection = msg
+        for screen in self.screen_stack:
+            for bar in screen.query(ConnectionBar):
+                bar.sync()
 
     def on_metric_rows(self, msg: MetricRows) -> None:
         for screen in self.screen_stack:  # the detail screen keeps charting under its logs screen

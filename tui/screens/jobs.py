@@ -121,9 +121,11 @@ class JobsScreen(JobActions, Screen):
 
     def on_screen_suspend(self) -> None:
         self._timer.pause()  # under another screen: nothing to draw
+        self.query_one(GpuPanel).pause()
 
     def on_screen_resume(self) -> None:
         self._timer.resume()
+        self.query_one(GpuPanel).resume()
         self.sync()  # back from the detail screen: what changed meanwhile
 
     # ------------------------------------------------------------ drawing

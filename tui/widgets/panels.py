@@ -41,7 +41,19 @@ class GpuPanel(Static):
             return
         self._poll()
         if self.interval > 0:
-            self.set_interval(self.interval, self._poll)
+            self._timer = self.set_interval(self.interval, self._poll)
+
+    _timer = None
+
+    def pause(self) -> None:
+        """Stop reading (its screen is covered); `resume` reads again at once."""
+        if self._timer is not None:
+            self._timer.pause()
+
+    def resume(self) -> None:
+        if self._timer is not None:
+            self._timer.resume()
+            self._poll()
 
     def _poll(self) -> None:
         self.run_worker(self._read, thread=True, exclusive=True, group="gpu-panel", exit_on_error=False)
@@ -77,7 +89,9 @@ class GpuPanel(Static):
 
 
 class ConnectionBar(Static):
-    """Whether the worker answers, and what the dashboard does about it when it does not."""
+    """Whether the worker answers, and what the dashboard does about it when it does not.
+
+    Drawn when the state changes: the app calls `sync()` on every bar it shows."""
 
     DEFAULT_CSS = """
     ConnectionBar { height: 1; padding: 0 1; background: $boost; }
@@ -87,8 +101,7 @@ class ConnectionBar(Static):
     _drawn: tuple | None = None
 
     def on_mount(self) -> None:
-        self.sync()
-        self.set_interval(self.app.refresh_s, self.sync)  # type: ignore[attr-defined]
+        self.sync()  # and again whenever the connection changes (DashboardApp.on_connection_state)
 
     def sync(self) -> None:
         conn = self.app.connection  # type: ignore[attr-defined]
