@@ -36,22 +36,27 @@ class GpuPanel(Static):
         else:
             self._start()
 
+    _timer = None
+    _paused = False
+
     def _start(self) -> None:
         if not self.is_attached:
             return
-        self._poll()
         if self.interval > 0:
-            self._timer = self.set_interval(self.interval, self._poll)
-
-    _timer = None
+            self._timer = self.set_interval(self.interval, self._poll, pause=self._paused)
+        if not self._paused:
+            self._poll()
 
     def pause(self) -> None:
-        """Stop reading (its screen is covered); `resume` reads again at once."""
+        """Stop reading while its screen is covered: a covered screen that changes makes Textual
+        repaint the whole screen on top. `resume` reads again at once."""
+        self._paused = True
         if self._timer is not None:
             self._timer.pause()
 
     def resume(self) -> None:
-        if self._timer is not None:
+        was, self._paused = self._paused, False
+        if self._timer is not None and was:
             self._timer.resume()
             self._poll()
 
