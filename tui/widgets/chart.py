@@ -10,11 +10,12 @@ NaN and missing values are gaps.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -115,14 +116,23 @@ class TimeChart(Widget):
         self.chart = chart
         self._history_of = history_of
         self._version = -1
-        self._strips: tuple[tuple[int, int, int], list[Strip]] | None = None
+        # (rows, width, height, base style), each line's runs, each line's strip
+        self._drawn: tuple[tuple[Any, ...], list[Any], list[Strip]] | None = None
         self.border_title = chart.title
 
     def refresh_data(self) -> None:
+        """Redraw after new rows: only the lines that differ are repainted (in steady state the
+        legend and the plot's last columns), the rest of the chart stays as it is on screen."""
         h = self._history_of()
-        if h.rows != self._version:
-            self._version = h.rows
+        if h.rows == self._version:
+            return
+        self._version = h.rows
+        w = self.content_size.width
+        changed = self._build() if w and self._drawn is not None else None
+        if changed is None:
             self.refresh()
+        elif changed:
+            self.refresh(*(Region(0, y, w, 1) for y in changed))
 
     def _legend(self, h: MetricHistory) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")
@@ -139,22 +149,41 @@ class TimeChart(Widget):
             text.append(format_value(cap, self.chart.unit) if cap else "none", style="bold")
         return text
 
-    def render_line(self, y: int) -> Strip:
+    def _build(self) -> list[int] | None:
+        """Make the strips for the current rows and size; returns the lines that differ from the
+        strips before (None: all of them)."""
         h = self._history_of()
         w, ht = self.content_size.width, self.content_size.height
-        key = (h.rows, w, ht)
-        if self._strips is None or self._strips[0] != key:
-            base = self.rich_style
-            console = self.app.console
-            legend = self._legend(h)
-            legend.truncate(w, overflow="ellipsis")
-            strips = [Strip(legend.render(console), legend.cell_len).apply_style(base)]
-            styles = {name: base + Style.parse(name) if name else base for name in (*COLORS, LIMIT_COLOR, "dim", None)}
-            for runs in self._plot_rows(h, w, ht):
-                strips.append(Strip([Segment(text, styles[style]) for text, style in runs]))
-            self._strips = (key, strips)
-        strips = self._strips[1]
-        return strips[y] if y < len(strips) else Strip.blank(w, self.rich_style)
+        base = self.rich_style
+        key = (h.rows, w, ht, base)
+        old = self._drawn
+        if old is not None and old[0] == key:
+            return []
+        legend = self._legend(h)
+        legend.truncate(w, overflow="ellipsis")
+        lines: list[Any] = [legend, *(tuple(runs) for runs in self._plot_rows(h, w, ht))]
+        same_shape = old is not None and old[0][1:] == key[1:]
+        styles = {name: base + Style.parse(name) if name else base for name in (*COLORS, LIMIT_COLOR, "dim", None)}
+        strips: list[Strip] = []
+        changed: list[int] = []
+        for y, line in enumerate(lines):
+            if same_shape and y < len(old[1]) and old[1][y] == line:
+                strips.append(old[2][y])
+                continue
+            changed.append(y)
+            if y == 0:
+                strips.append(Strip(legend.render(self.app.console), legend.cell_len).apply_style(base))
+            else:
+                strips.append(Strip([Segment(text, styles[style]) for text, style in line]))
+        if same_shape:
+            changed.extend(range(len(lines), len(old[1])))  # lines gone (now blank)
+        self._drawn = (key, lines, strips)
+        return changed if same_shape else None
+
+    def render_line(self, y: int) -> Strip:
+        self._build()
+        strips = self._drawn[2] if self._drawn is not None else []
+        return strips[y] if y < len(strips) else Strip.blank(self.content_size.width, self.rich_style)
 
     def plot_text(self) -> Text:
         """The chart as Text: the legend line, then the plot's lines (what `render_line` draws)."""
