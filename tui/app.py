@@ -40,7 +40,7 @@ class DashboardApp(App):
     def __init__(self, make_client: ClientFactory | None = None, *, url: str = "", read_only: bool = False,
                  poll_s: float = 1.0, refresh_s: float = 0.25, open_job: str | None = None, open_logs: bool = False,
                  tail: int | None = None, follow: bool = True, clock: Callable[[], float] = time.time,
-                 feed: bool = True, gpu: bool = True, start_dir: str | None = None) -> None:
+                 feed: bool = True, gpu: bool = True, start_dir: str | None = None, retry_max_s: float = 5.0) -> None:
         super().__init__()
         self.make_client = make_client
         self.url = url
@@ -58,7 +58,8 @@ class DashboardApp(App):
         self.version = 0  # bumped on every change to `jobs`
         self.changed_at: dict[str, int] = {}  # job id -> the version that last changed (or removed) it
         self.connection = ConnectionState("connecting", url)
-        self.feed = WorkerFeed(make_client, self.post_message, poll_s=poll_s) if feed and make_client else None
+        self.feed = (WorkerFeed(make_client, self.post_message, poll_s=poll_s, max_backoff_s=retry_max_s)
+                     if feed and make_client else None)
         self.refreshes = 0  # data refreshes drawn (read by the cost bench)
         self._client: JobsClient | None = None
         self.started = (time.perf_counter(), time.process_time())

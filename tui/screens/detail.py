@@ -164,9 +164,15 @@ class DetailScreen(JobActions, Screen):
         if not self.is_attached:
             return
         jobs, job_id = self.app.jobs, self.job_id
-        # With a feed, events keep the app's status current: no need to ask for the job each round.
-        status_of = (lambda: jobs.get(job_id, {}).get("status")) if self.app.feed is not None else None
-        self.tail = MetricsTail(self.app.make_client, job_id, self.app.post_message, status_of=status_of).start()
+
+        def status_of() -> str | None:
+            # Events keep the app's copy current; this screen's own GET (every DETAILS_EVERY_S while
+            # the job runs) covers a worker whose list fails. Two atomic reads: safe from a thread.
+            return (jobs.get(job_id) or {}).get("status") or self.detail.get("status")
+
+        # With a feed there is no need to ask the worker for the whole job on every metrics read.
+        self.tail = MetricsTail(self.app.make_client, job_id, self.app.post_message,
+                                status_of=status_of if self.app.feed is not None else None).start()
         self._load_details()
 
     def on_unmount(self) -> None:

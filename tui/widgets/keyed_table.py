@@ -104,8 +104,3 @@ class KeyedTable(DataTable):
             # Narrower than the column: DataTable measures the column once, on idle.
             self.update_cell(key, self._columns[i][0], self.shown[key][i], update_width=True)
         return True
-
-    def cell_text(self, key: str, column: str) -> str:
-        """The plain text shown in one cell."""
-        i = next(n for n, (k, _) in enumerate(self._columns) if k == column)
-        return self.shown[key][i].plain
