@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,43 @@ def _venv_on_path() -> Iterator[None]:
     os.environ["PATH"] = old
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, _venv_on_path: None) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(tmp_path_factory.mktemp("tui-worker") / "home").start()
-    yield w
-    w.stop()
-
-
 def engine_job(name: str, steps: int = 30, rate: float = 10.0, *extra: str) -> dict[str, Any]:
     """A command job running bench/tui_job.py: the real engine on the CPU, writing its real stats."""
     return {"kind": "command", "name": name, "workdir": str(REPO),
             "command": [sys.executable, str(JOB_SCRIPT), "--steps", str(steps), "--rate", str(rate), *extra],
             "limits": {"stop_grace": 2}}
+
+
+# Jobs that tests only need finished: submitted when the worker starts, so they run (mostly
+# importing torch) while the tests before them run, instead of one after the other.
+EARLY = {
+    "report": engine_job("tui-report", 20, 40, "--samples"),
+}
+_early_ids: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory: pytest.TempPathFactory, _venv_on_path: None) -> Iterator[WorkerProcess]:
+    """One real worker for the whole session (each test uses its own jobs on it)."""
+    w = WorkerProcess(tmp_path_factory.mktemp("tui-worker") / "home").start()
+    with w.client() as c:
+        for name, spec in EARLY.items():
+            _early_ids[name] = c.submit(spec)["id"]
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def finished_job(worker: WorkerProcess) -> Callable[[str], str]:
+    """`finished_job("report")`: the id of that EARLY job, once it has SUCCEEDED."""
+
+    def get(name: str) -> str:
+        with worker.client() as c:
+            job = c.wait(_early_ids[name], timeout=180)
+        assert job["status"] == "SUCCEEDED", job
+        return job["id"]
+
+    return get
 
 
 def make_app(worker: WorkerProcess, **kwargs: Any) -> Any:

@@ -22,9 +22,9 @@ async def test_table_shows_status_change_live_and_detail_charts_fill(worker) -> 
     async with app.run_test(size=(160, 50)) as pilot:
         table = app.screen.table
         await until(pilot, lambda: app.connection.state == "ok", what="the first list")
-        await pilot.pause(1.0)  # the event stream connects
+        await until(pilot, app.feed.positioned.is_set, what="the event stream's start")  # no event missed from here
         with worker.client() as c:
-            jid = c.submit(engine_job("tui-live", steps=40, rate=10))["id"]
+            jid = c.submit(engine_job("tui-live", steps=30, rate=15))["id"]
         await until(pilot, lambda: table.row_count and jid in app.screen.shown, what="the job's row")
         seen = set()
 
@@ -47,7 +47,7 @@ async def test_table_shows_status_change_live_and_detail_charts_fill(worker) -> 
         await until(pilot, lambda: detail.job.get("status") == "SUCCEEDED", what="SUCCEEDED", timeout=90)
         await until(pilot, lambda: detail.replayed, what="the last rows")
         rows = [json.loads(ln) for ln in (Path(worker.home) / "runs" / jid / "metrics.jsonl").read_text().splitlines()]
-        assert detail.history.rows == len(rows) == 40
+        assert detail.history.rows == len(rows) == 30
         assert detail.history.latest["cache_hits"] == rows[-1]["cache_hits"]
         assert detail.history.latest["pinned_used_bytes"] == rows[-1]["pinned_used_bytes"]
         await pilot.press("escape")
@@ -97,7 +97,7 @@ async def test_filter_cancel_with_confirm_and_read_only(worker) -> None:
 
 
 async def test_logs_follow_and_search(worker) -> None:
-    cmd = "for i in $(seq 1 60); do echo \"log line $i\"; sleep 0.05; done"
+    cmd = "for i in $(seq 1 40); do echo \"log line $i\"; sleep 0.03; done"
     with worker.client() as c:
         jid = c.submit({"kind": "command", "name": "tui-logs", "command": cmd})["id"]
     app = make_app(worker, open_job=jid, open_logs=True)

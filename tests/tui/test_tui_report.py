@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, engine_job
+from conftest import REPO
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -28,10 +28,8 @@ def chromium(page: Path, shot: Path, tmp: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def report_file(worker, tmp_path_factory) -> Path:
-    with worker.client() as c:
-        jid = c.submit(engine_job("tui-report", 20, 40, "--samples"))["id"]
-        assert c.wait(jid, timeout=120)["status"] == "SUCCEEDED"
+def report_file(worker, finished_job, tmp_path_factory) -> Path:
+    jid = finished_job("report")  # bench/tui_job.py, 20 steps, with samples and checkpoints
     out = tmp_path_factory.mktemp("report") / "report.html"
     env = {**os.environ, "OFFLOAD_JOBS_URL": worker.url, "OFFLOAD_JOBS_TOKEN": worker.token}
     r = subprocess.run([sys.executable, "-m", "jobs", "report", jid[:6], "-o", str(out)],

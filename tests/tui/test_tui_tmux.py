@@ -23,7 +23,7 @@ def _tmux(*args: str) -> str:
 
 def test_screen_values_match_the_jobs_metrics(worker, tmp_path: Path) -> None:
     with worker.client() as c:
-        jid = c.submit(engine_job("tui-tmux", 30, 15))["id"]
+        jid = c.submit(engine_job("tui-tmux", 20, 20))["id"]
     session = f"tui-test-{os.getpid()}"
     cmd = (f"OFFLOAD_JOBS_URL={worker.url} OFFLOAD_JOBS_TOKEN={worker.token} "
            f"{sys.executable} -m jobs tui --job {jid}")
@@ -37,11 +37,11 @@ def test_screen_values_match_the_jobs_metrics(worker, tmp_path: Path) -> None:
         screen = ""
         while time.monotonic() < deadline:
             screen = _tmux("capture-pane", "-p", "-t", session)
-            if "SUCCEEDED" in screen and "step 30/30" in screen:
+            if "SUCCEEDED" in screen and "step 20/20" in screen:
                 break
             time.sleep(0.3)
         flat = " ".join(screen.split())
-        assert "SUCCEEDED" in flat and "step 30/30" in flat, screen
+        assert "SUCCEEDED" in flat and "step 20/20" in flat, screen
         # The numbers, formatted independently of the app (binary units, one decimal).
         mib = lambda b: f"{b / 2**20:.1f} MiB" if b < 100 * 2**20 else f"{b / 2**20:.0f} MiB"  # noqa: E731
         kib = lambda b: f"{b / 2**10:.1f} KiB" if b < 100 * 2**10 else f"{b / 2**10:.0f} KiB"  # noqa: E731
