@@ -134,6 +134,20 @@ async def test_logs_follow_and_search(worker) -> None:
         await until(pilot, lambda: hit() == "log line 17", what="the previous match")
 
 
+async def test_a_finished_jobs_log_opens_at_its_end(worker) -> None:
+    with worker.client() as c:
+        jid = c.submit({"kind": "command", "name": "tui-done-log", "command": "seq 1 300"})["id"]
+        assert c.wait(jid, timeout=30)["status"] == "SUCCEEDED"
+    app = make_app(worker, open_job=jid, open_logs=True)  # `offload-jobs tui --job ID --logs`
+    async with app.run_test(size=(120, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, LogsScreen), what="the logs screen")
+        logs = app.screen
+        await until(pilot, lambda: logs.opened.is_set() and logs.view.at_end, what="the view at the log's end")
+        view = logs.view
+        last = logs.source.line(min(logs.source.line_count, view.top_line + view.size.height) - 1)
+        assert "[offload-jobs] attempt 1 ended" in last, last  # the worker's last line, in view
+
+
 def _validate_line(path: Path, sets: list[str]) -> str:
     args = [sys.executable, "-m", "jobs", "validate", str(path)] + [a for s in sets for a in ("--set", s)]
     r = subprocess.run(args, capture_output=True, text=True, cwd=REPO)

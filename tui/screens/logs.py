@@ -104,8 +104,10 @@ class LogsScreen(Screen):
 
     def _opened(self, chunk: Chunk) -> None:
         self.source.apply_append(chunk)
+        # force: right after sync_size the scrollbars are not recomputed yet (that waits for a
+        # refresh) and an unforced scroll is refused: a log that was complete stayed at its top.
         self.view.sync_size()
-        self.view.scroll_end(animate=False, immediate=True)
+        self.view.scroll_end(animate=False, immediate=True, force=True)
         self.opened.set()
         self.view.refresh()
 
@@ -119,7 +121,7 @@ class LogsScreen(Screen):
         if self.view.current is not None:
             self.view.current += added
         if was_end and self.follow:
-            self.view.scroll_end(animate=False, immediate=True)
+            self.view.scroll_end(animate=False, immediate=True, force=True)
         else:  # keep the same lines in view
             self.view.scroll_to(y=y + added, animate=False, immediate=True)
         self.view.refresh()
@@ -128,7 +130,7 @@ class LogsScreen(Screen):
         if self.source.apply_append(chunk):
             self.view.sync_size()
             if self.follow:
-                self.view.scroll_end(animate=False, immediate=True)
+                self.view.scroll_end(animate=False, immediate=True, force=True)
             self.view.refresh()
 
     # ------------------------------------------------------------ the status line

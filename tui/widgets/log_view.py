@@ -35,7 +35,10 @@ class LogView(ScrollView, can_focus=True):
         self.current: int | None = None  # the line the last search landed on
 
     def sync_size(self) -> None:
-        self.virtual_size = Size(self.size.width, self.source.line_count)
+        # No width: long lines are cut at the edge, so there is nothing to scroll sideways; a width
+        # would bring a horizontal scrollbar once the vertical one narrows the view, and with it a
+        # last line hidden under the bar.
+        self.virtual_size = Size(0, self.source.line_count)
 
     def on_resize(self) -> None:
         self.sync_size()
