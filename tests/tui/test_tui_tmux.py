@@ -25,7 +25,9 @@ def test_screen_values_match_the_jobs_metrics(worker, tmp_path: Path) -> None:
     with worker.client() as c:
         jid = c.submit(engine_job("tui-tmux", 20, 20))["id"]
     session = f"tui-test-{os.getpid()}"
-    cmd = (f"OFFLOAD_JOBS_URL={worker.url} OFFLOAD_JOBS_TOKEN={worker.token} "
+    # A tmux server started without a terminal (as here, under pytest) gives its panes COLUMNS=80
+    # and LINES=24, which Textual prefers to the pane's real size: drop them.
+    cmd = (f"env -u COLUMNS -u LINES OFFLOAD_JOBS_URL={worker.url} OFFLOAD_JOBS_TOKEN={worker.token} "
            f"{sys.executable} -m jobs tui --job {jid}")
     _tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd)
     try:
