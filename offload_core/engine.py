@@ -122,7 +122,7 @@ class OffloadEngine:
         self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.plan.units
-        depth = config.prefetch if config.prefetch is not None else planner.DEFAULT_DEPTH
+        depth = planner.initial_depth(config.prefetch, config.vram_budget)
         residency = planner.plan_residency(
             self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
             offload_ratio=config.offload_ratio, vram_budget=config.vram_budget, depth=depth)
@@ -415,7 +415,7 @@ class OffloadEngine:
             if timed:
                 # stall: waiting for this unit's bytes; span: busy from the last use's start to here.
                 # Every pair owns its events (the log recycles an event once its pair resolves).
-                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark())
+                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark(), cycle=self.schedule.cycles)
                 if self._span_from is not None:
                     pos, ev = self._span_from
                     self.timing.add("span", ("pos", pos), ev, arrive[1])

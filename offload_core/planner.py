@@ -32,11 +32,20 @@ from typing import Sequence
 from .errors import VramBudgetError
 from .units import Unit
 
-__all__ = ["Measurements", "Plan", "Residency", "budget_room", "choose", "interleaved", "plan_budget", "plan_growth",
-           "plan_residency", "ring_slots", "simulate"]
+__all__ = ["Measurements", "Plan", "Residency", "budget_room", "choose", "growth_room", "initial_depth", "interleaved",
+           "plan_budget", "plan_growth", "plan_residency", "ring_slots", "simulate"]
 
 DEFAULT_DEPTH = 2
 GiB = float(1 << 30)
+
+
+def initial_depth(prefetch: int | None, vram_budget: int | None) -> int:
+    """The prefetch depth the first cycles run at: a pinned one as given; under a ``vram_budget`` with
+    the depth left to the planner, the smallest ring (two slots), so the measured cycles that decide
+    how the budget is spent never hold more than the least the model can run with; else the default."""
+    if prefetch is not None:
+        return prefetch
+    return 1 if vram_budget is not None else DEFAULT_DEPTH
 
 
 def interleaved(n: int, k: int) -> list[int]:
@@ -349,17 +358,20 @@ def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> Plan:
                 res["start_ms"], "measured", _other(m), m.fixed_bytes + res["used_bytes"], res["seconds"])
 
 
-def plan_growth(m: Measurements, *, margin: int, max_seconds: float = 2.0) -> Plan | None:
+def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None = None,
+                max_seconds: float = 2.0) -> Plan | None:
     """No budget: deepen the ring into the device's free memory (less ``margin``) while the simulated stall falls.
 
-    Returns None when there is no device limit to grow into (the CPU), or growing would not help.
+    When the simulation sees nothing to gain but the cycle really stalled (``measured_stall_ms``, at
+    least 2% of its busy time), the ring doubles anyway (within the free memory): the engine keeps a
+    growth only if the measured stall then falls, so a simulation that misjudges the copies cannot
+    hold the ring small. Returns None when there is no device limit to grow into (the CPU), or
+    growing would not help.
     """
     if m.limit_bytes is None or m.peak_bytes is None or m.slot_bytes <= 1:
         return None
     t0 = time.perf_counter()
-    headroom = m.limit_bytes - margin - m.peak_bytes
-    streamed = sum(1 for u in m.copy_ms if u not in m.sticky)
-    k_max = min(max(headroom, 0) // m.slot_bytes, max(streamed - m.slots, 0))
+    k_max = growth_room(m, margin)
     busy = sum(m.spans)
     times = [simulate(m.trace, m.spans, m.copy_ms, m.slots, m.depth, m.sticky, stale=m.stale)]
     for k in range(1, k_max + 1):
@@ -372,10 +384,28 @@ def plan_growth(m: Measurements, *, margin: int, max_seconds: float = 2.0) -> Pl
     best = min(times)
     # the fewest slots within 0.5% of the best: the memory past that buys almost nothing
     k = next(i for i, t in enumerate(times) if t <= best + 0.005 * best)
+    chosen_by = "free memory"
     if k == 0 or times[0] - times[k] < 0.01 * times[0]:
-        return None
-    return Plan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), times[k], times[0], "free memory",
+        if measured_stall_ms is None or k_max == 0 or measured_stall_ms < 0.02 * max(busy, 1e-9):
+            return None
+        k = min(k_max, max(m.slots, 1))
+        chosen_by = "free memory (measured stall)"
+        times.append(simulate(m.trace, m.spans, m.copy_ms, m.slots + k, max(m.depth, m.slots + k - 1), m.sticky,
+                              stale=m.stale))
+        best = times[-1]
+    else:
+        best = times[k]
+    return Plan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), best, times[0], chosen_by,
                 _other(m), m.engine_bytes + k * m.slot_bytes, time.perf_counter() - t0)
+
+
+def growth_room(m: Measurements, margin: int) -> int:
+    """Ring slots the device's free memory (less ``margin``) can still take, and that some unit would use."""
+    if m.limit_bytes is None or m.peak_bytes is None or m.slot_bytes <= 1:
+        return 0
+    headroom = m.limit_bytes - margin - m.peak_bytes
+    streamed = sum(1 for u in m.copy_ms if u not in m.sticky)
+    return int(min(max(headroom, 0) // m.slot_bytes, max(streamed - m.slots, 0)))
 
 
 def _gib(n: int | float) -> str:

@@ -38,9 +38,10 @@ class Replanner:
         self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
                      and e.ring.slot_bytes > 1 and device.limit_bytes(e.device) is not None)
         self.active = e.timing is not None and (self.budget is not None or self.grow)
-        self.stall_at: dict[int, float] = {}  # cycle k -> total stall ms when cycle k started
         self.training = True  # every cycle so far ran its forward with grad enabled
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
+        self.grown_at = 0  # the cycle at whose start the last growth was applied
+        self.rounds = 0
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -101,8 +102,8 @@ class Replanner:
         if k == 1:
             device.reset_peak(e.device)  # from here on the peak is this model's: its activations and the ring
             return
-        e.timing.resolve(block=True)
-        self.stall_at[k] = e.timing.total_ms.get("stall", 0.0)
+        # Stalls are kept per cycle, so only a decision point resolves (and so waits for the device):
+        # a cycle that follows a host wait is not the one whose stall is read.
         if k == 2 and self.budget is not None:
             m = self.measure()
             if m is not None and m.peak_bytes is not None:
@@ -115,21 +116,54 @@ class Replanner:
                 self.apply(planner.plan_budget(m, self.budget, grow_depth=e.config.prefetch is None))
                 self.active = False
             else:
-                plan = planner.plan_growth(m, margin=self.margin(m)) if self.training else None
-                if plan is None:
-                    self.active = False
-                else:
-                    self.before = planner.Plan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
-                                               "smallest ring")
-                    self.apply(plan)
-        elif k == 5 and self.before is not None:
-            # cycle 3 filled the new slots; cycle 4 ran on them: keep the growth only if its stall fell
-            was, now = self.stall_at[3] - self.stall_at[2], self.stall_at[5] - self.stall_at[4]
+                self._grow(m, k)
+        elif self.before is not None and k == self.grown_at + 2:
+            # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
+            # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
+            e.timing.resolve(block=True)
+            was, now = self.cycle_stall(self.grown_at - 1), self.cycle_stall(k - 1)
             e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now)
             if now > was - max(0.5, 0.02 * was):
                 self.apply(self.before)
-                e.prediction["chosen_by"] = "smallest ring (growth did not cut the measured stall)"
-            self.active = False
+                e.prediction["chosen_by"] = ("smallest ring (growth did not cut the measured stall)"
+                                             if self.rounds == 1 else "free memory (the last growth bought nothing)")
+                self.before = None
+                self.active = False
+            elif self.rounds < self.MAX_ROUNDS and e.prediction.get("chosen_by") == "free memory (measured stall)":
+                m = self.measure()
+                if m is None or not self._grow(m, k):
+                    self.before = None
+                    self.active = False
+            else:
+                self.before = None
+                self.active = False
+
+    MAX_ROUNDS = 3  # growths tried one after the other while the measured stall keeps falling
+
+    def _grow(self, m: planner.Measurements, k: int) -> bool:
+        """Try a deeper ring (evaluated two cycles on); False when there is nothing to try."""
+        e = self.e
+        stall = self.cycle_stall(k - 1)
+        margin = self.margin(m)
+        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall) if self.training else None
+        e.prediction.update(growth_room_slots=planner.growth_room(m, margin), growth_measured_stall_ms=stall,
+                            growth_busy_ms=sum(m.spans))
+        if plan is None:
+            if self.rounds == 0:
+                e.prediction["growth"] = "none: " + ("inference keeps its ring" if not self.training
+                                                     else "no free memory, or no stall to take away")
+            self.active = self.before is not None
+            return False
+        self.before = planner.Plan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
+                                   "smallest ring" if self.rounds == 0 else "free memory")
+        self.rounds += 1
+        self.grown_at = k
+        self.apply(plan)
+        return True
+
+    def cycle_stall(self, cycle: int) -> float:
+        """Measured stall ms of one cycle (resolved timings only)."""
+        return self.e.timing.cycle_ms.get(("stall", cycle), 0.0)
 
     def margin(self, m: planner.Measurements) -> int:
         if self.e.config.vram_margin is not None:

@@ -276,6 +276,8 @@ def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
                            "plan": {k: v for k, v in st["plan"].items() if isinstance(v, (int, float, str))}})
         assert all(torch.equal(a, b) for a, b in zip(want, got)), "losses differ from resident"
         assert peak <= cap - 256 * MiB, "the ring grew into the safety margin"
+        assert st["plan"]["chosen_by"].startswith("free memory") and st["slot_count"] > 3, \
+            f"the ring did not grow into the free memory: {st['plan']}"
         mgr.remove()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
