@@ -144,6 +144,15 @@ def _lora_steps(model: Any, x: dict[str, torch.Tensor], steps: int, device: str)
     return times
 
 
+def _vm_hwm_bytes() -> int:
+    """This process's peak RSS since its exec (VmHWM). Not getrusage's ru_maxrss: Linux carries the
+    parent's peak across fork and exec into it, and the parent here held the whole model."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """The measured run: a fresh process, the model on the meta device, weights only from the shards."""
     from diffusers import FluxTransformer2DModel
@@ -185,6 +194,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     out["infer_stats"] = {k: v for k, v in s.items() if k.startswith(("disk_", "vram_", "pinned", "h2d_gbps", "stall",
                                                                           "streamed_bytes", "slot_", "prefetch_depth"))}
     out["vram_peak_gib"] = s.get("vram_peak_bytes", 0) / 2**30
+    out["infer_peak_rss_gib"] = _vm_hwm_bytes() / 2**30  # before any LoRA step
     if args.lora:
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
@@ -193,7 +203,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     s = handle.stats()
     out["stats"] = {k: v for k, v in s.items() if k.startswith(("disk_", "vram_", "pinned", "h2d_gbps", "stall",
                                                                     "streamed_bytes", "slot_", "prefetch_depth"))}
-    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    out["peak_rss_gib"] = _vm_hwm_bytes() / 2**30
     return out
 
 

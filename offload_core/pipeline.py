@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from accelerate.utils import send_to_device
 from torch import nn
 
 from .api import OffloadHandle, enable_offload
@@ -53,15 +54,22 @@ class ComponentOffload:
             if callable(method):
                 setattr(module, name, self._wrap(method))  # an instance attribute shadows the class's method
                 self._wrapped.append(name)
-        self._handles = [module.register_forward_pre_hook(lambda m, a: self.onload()),
+        self._handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                          module.register_forward_hook(lambda m, a, o: self.offload(), always_call=True)]
         module.to(self.offload_device)
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        self.onload()
+        return send_to_device(args, self.device), send_to_device(kwargs, self.device)
 
     def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             self.onload()
             try:
-                return method(*args, **kwargs)
+                # Inputs follow the module, as with accelerate's offload hooks: a pipeline may put them
+                # where the module's weights sit between calls (diffusers 0.42's Flux moves the latents
+                # to get_module_execution_device(vae), which is the host here).
+                return method(*send_to_device(args, self.device), **send_to_device(kwargs, self.device))
             finally:
                 self.offload()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload_core import OffloadConfigError
-from offload_core.pipeline import enable_pipeline_offload
+from offload_core.pipeline import ComponentOffload, enable_pipeline_offload
 
 
 def _tokenizers(tmp: Path) -> tuple[Any, Any]:
@@ -135,6 +135,31 @@ def test_bad_input_is_named(built: tuple) -> None:
         enable_pipeline_offload(pipe, target_device="cpu", prefetch=-1)
     # a failure half-way leaves nothing hooked
     assert all(p.numel() > 0 for p in pipe.transformer.parameters()) and "decode" not in pipe.vae.__dict__
+
+
+class _Decoder(torch.nn.Module):
+    """No weights: what its calls receive is what the test reads."""
+
+    def decode(self, z: torch.Tensor, *, scale: torch.Tensor) -> tuple[torch.device, torch.device]:
+        return z.device, scale.device
+
+    def forward(self, z: torch.Tensor) -> torch.device:
+        return z.device
+
+
+def test_a_hooked_components_inputs_follow_it_to_the_device() -> None:
+    """A pipeline may hand a component inputs where its weights sit between calls (diffusers 0.42's
+    Flux moves the latents to the VAE's device, the host here): each call gets them on the device.
+    The meta device stands in for the accelerator on a CPU machine."""
+    dec = _Decoder()
+    hook = ComponentOffload(dec, torch.device("meta"))
+    try:
+        assert dec.decode(torch.zeros(2), scale=torch.ones(1)) == (torch.device("meta"), torch.device("meta"))
+        assert dec(torch.zeros(2)) == torch.device("meta")
+        assert hook.onloads == 2
+    finally:
+        hook.remove()
+    assert dec.decode(torch.zeros(2), scale=torch.ones(1)) == (torch.device("cpu"), torch.device("cpu"))
 
 
 @pytest.mark.gpu
