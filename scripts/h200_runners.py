@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             rep = run_family(fam, args, worker)
             reports.append(rep)
             _print(rep)
+            if args.json:  # after each family: a call cut short still keeps the families it finished
+                args.json.write_text(json.dumps(reports, indent=1, default=str))
     finally:
         worker.stop()
-    if args.json:
-        args.json.write_text(json.dumps(reports, indent=1, default=str))
     ok = all(r.get("train", {}).get("status") == "SUCCEEDED" and r.get("infer", {}).get("status") == "SUCCEEDED"
              for r in reports)
     print("\nALL OK" if ok else "\nSOME FAILED")
