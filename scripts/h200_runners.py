@@ -87,7 +87,7 @@ class Worker:
     def __init__(self, home: Path, device: str) -> None:
         self.home, self.port = home, _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # keep a --target site
         env["OFFLOAD_JOBS_GPUS"] = "1" if device == "cuda" else "0"
         home.mkdir(parents=True, exist_ok=True)
         self.log = open(home / "worker.log", "ab")
