@@ -165,6 +165,16 @@ def _infer_report(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[str, Any]:
+    model = args.out / f"model-{family}"
+    shutil.rmtree(model, ignore_errors=True)  # a folder left by an earlier run: the disk holds one model
+    try:
+        return _run_family(family, args, worker)
+    finally:
+        if not args.keep:  # failed or not: the next family needs the space
+            shutil.rmtree(model, ignore_errors=True)
+
+
+def _run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[str, Any]:
     root = args.out
     model = root / f"model-{family}"
     t0 = time.time()
@@ -212,8 +222,6 @@ def run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[st
     report["infer"] = _infer_report(inf) if inf["status"] == "SUCCEEDED" else {
         "status": inf["status"], "reason": inf.get("reason"), "message": inf.get("message"),
         "log_tail": (Path(inf["run_dir"]) / "output.log").read_text(errors="replace")[-3000:]}
-    if not args.keep:
-        shutil.rmtree(model, ignore_errors=True)
     return report
 
 

@@ -52,8 +52,9 @@ def apply_vram_cap(device: torch.device) -> int | None:
     from offload_core import parse_bytes
 
     cap = parse_bytes(raw, key=VRAM_CAP_ENV)
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
     return cap
 
 
