@@ -84,7 +84,9 @@ class Stream:
 
 def launch(session: str, env: str, extra: str, command: str = "") -> int:
     command = command or f"{sys.executable} -m jobs tui {extra}"
-    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", f"{env} exec {command}")
+    # A tmux server started without a terminal gives its panes COLUMNS=80 and LINES=24, which Textual
+    # prefers to the pane's real 200x50: drop them (`env` execs the command, so the pane's pid is it).
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", f"{env} exec env -u COLUMNS -u LINES {command}")
     return int(tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip())
 
 
