@@ -294,12 +294,16 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
 
         Returns the job when this call closed it; None when it was not (or no longer) past due:
         its worker renewed in time, or another worker's reaper was first. `note` goes to the log.
+        A job being cancelled ends CANCELLED: its worker is gone, and so is the attempt.
         """
         with self.engine.begin() as conn:
             self.lock_job(conn, job_id)
-            job, closed = self._finish(conn, job_id, number, status="FAILED", reason="worker_lost", exit_code=None,
-                                       message=message, requeue=None, retry_on=retry_on, never_ran=never_ran,
-                                       worker_id=None, only_if_expired=True, output=None, note=note)
+            cancelling = conn.execute(select(jobs_t.c.status).where(jobs_t.c.id == job_id)).scalar() == "CANCELLING"
+            status, reason = ("CANCELLED", "cancelled") if cancelling else ("FAILED", "worker_lost")
+            job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=None,
+                                       message=None if cancelling else message, requeue=None, retry_on=retry_on,
+                                       never_ran=never_ran, worker_id=None, only_if_expired=True, output=None,
+                                       note=note)
             return job if closed else None
 
     def _finish(self, conn: Connection, job_id: str, number: int, *, status: str, reason: str | None,
@@ -436,6 +440,23 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             return [_attempt_dict(r) for r in conn.execute(q).mappings()]
 
     @_reads
+    def attempt(self, job_id: str, number: int) -> dict[str, Any] | None:
+        q = select(attempts_t).where(attempts_t.c.job_id == job_id, attempts_t.c.number == number)
+        with self._read() as conn:
+            row = conn.execute(q).mappings().first()
+        return _attempt_dict(row) if row is not None else None
+
+    @_reads
+    def shipped(self, job_id: str, number: int) -> tuple[int, int]:
+        """(log bytes, metrics records) shipped so far for attempt `number` (to resume after a restart)."""
+        with self._read() as conn:
+            log_bytes = conn.execute(select(func.coalesce(func.sum(func.length(log_chunks_t.c.data)), 0)).where(
+                log_chunks_t.c.job_id == job_id, log_chunks_t.c.attempt == number)).scalar()
+            rows = conn.execute(select(func.count()).select_from(metric_rows_t).where(
+                metric_rows_t.c.job_id == job_id, metric_rows_t.c.attempt == number)).scalar()
+        return int(log_bytes or 0), int(rows or 0)
+
+    @_reads
     def live_attempts(self, worker_id: str | None = None) -> list[dict[str, Any]]:
         """Attempts still STARTING or RUNNING (after a crash: left by a dead worker); `worker_id`'s only."""
         q = select(attempts_t).where(attempts_t.c.status.in_(_HELD))
@@ -451,10 +472,13 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             return self._event(conn, job_id, type, data)
 
     @_reads
-    def events_since(self, last_id: int = 0, limit: int = 500, job_id: str | None = None) -> list[dict[str, Any]]:
+    def events_since(self, last_id: int = 0, limit: int = 500, job_id: str | None = None,
+                     types: Iterable[str] | None = None) -> list[dict[str, Any]]:
         q = select(events_t).where(events_t.c.id > last_id)
         if job_id is not None:
             q = q.where(events_t.c.job_id == job_id)
+        if types is not None:
+            q = q.where(events_t.c.type.in_(list(types)))
         q = q.order_by(events_t.c.id).limit(limit)
         with self._read() as conn:
             return [_event_dict(r) for r in conn.execute(q)]

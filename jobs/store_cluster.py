@@ -153,7 +153,7 @@ def _json(value: str | None) -> Any:
 def _worker_dict(r: Any, now: float) -> dict[str, Any]:
     d = dict(r)
     info = _json(d.pop("info", None)) or {}
-    d.update({k: v for k, v in info.items() if k not in d})
+    d.update({k: v for k, v in info.items() if d.get(k) is None})
     d.pop("instance", None)
     if d["status"] == "up" and (d.get("lease_until") or 0) < now:
         d["status"] = "lost"  # not yet marked by a reaper, but silent past its lease

@@ -32,4 +32,4 @@ REASONS = ("exit_nonzero", "setup_failed", "cuda_oom", "host_oom", "timeout", "c
 RETRYABLE_REASONS = tuple(r for r in REASONS if r != "cancelled")
 
 KINDS = ("train", "infer", "shard", "command")
-EXECUTORS = ("process", "docker")
+EXECUTORS = ("process", "docker", "slurm")
