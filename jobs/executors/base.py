@@ -47,6 +47,7 @@ class Launch:
     time_limit: float | None = None  # limits.max_duration, for executors that enforce it themselves (slurm)
     stop_grace: float = 10.0
     name: str | None = None  # the job's display name (for a batch system's queue)
+    gpu_request: int = 0  # GPUs the job asks for (an executor that places jobs itself, Slurm, needs the count)
 
 
 @dataclass
