@@ -257,6 +257,8 @@ class Scheduler:
             run_dir.append_log(note + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
+            if self.worker_id:
+                plan.env["OFFLOAD_JOBS_WORKER_ID"] = self.worker_id
             r.executor = self._executor(spec.executor)
             r.handle = r.executor.prepare(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
