@@ -277,15 +277,16 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         reaper) closes it only while its lease is still past due on the database's clock.
         `output` ({"log": bytes, "metrics": [records]}) is the attempt's last shipped output,
         written in the same transaction, so a finished job's log in the store is complete.
+        The job is returned with `recorded`: whether this call closed the attempt.
         """
         if status not in TERMINAL:
             raise ValueError(f"finish_attempt needs a terminal status, got {status}")
         with self.engine.begin() as conn:
             self.lock_job(conn, job_id)
-            job, _ = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=exit_code,
-                                  message=message, requeue=requeue, retry_on=retry_on, never_ran=never_ran,
-                                  worker_id=worker_id, only_if_expired=only_if_expired, output=output)
-            return job
+            job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=exit_code,
+                                       message=message, requeue=requeue, retry_on=retry_on, never_ran=never_ran,
+                                       worker_id=worker_id, only_if_expired=only_if_expired, output=output)
+            return {**job, "recorded": closed}
 
     @_writes
     def reap_attempt(self, job_id: str, number: int, *, retry_on: Iterable[str], never_ran: bool, message: str,

@@ -509,14 +509,15 @@ class Scheduler:
                 log.warning("job %s: completion of attempt %d not recorded yet (%s); kept, retrying",
                             r.job_id, r.attempt, exc)
             return
-        if r.failures:
+        if self.shared and not job.get("recorded", True):
+            log.warning("job %s: attempt %d was closed by a reaper meanwhile (its lease ran out; the job is %s, "
+                        "attempt %s on %s); its end here (%s) is not recorded", r.job_id, r.attempt, job.get("status"),
+                        job.get("attempt"), job.get("worker_id"), o.reason or o.status)
+        elif r.failures:
             log.warning("job %s: completion of attempt %d recorded after %d failed writes", r.job_id, r.attempt,
                         r.failures)
         if r.ship is not None and shipped is not None:
             r.ship.sent(*shipped)
-        if self.shared and (job.get("attempt") != r.attempt or job.get("worker_id") != self.worker_id):
-            log.warning("job %s: attempt %d was taken over by worker %s meanwhile; its end (%s) is not recorded",
-                        r.job_id, r.attempt, job.get("worker_id"), o.reason or o.status)
         if r.handle is not None and r.executor is not None:
             try:
                 r.executor.cleanup(r.handle)
