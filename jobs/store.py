@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, false, func, insert, literal_column, or_, select, update
+from sqlalchemy import Connection, String, and_, case, delete, func, insert, literal, literal_column, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs import strict_json
@@ -190,40 +190,42 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         if not vram and cpu_slots <= 0 and slurm_slots <= 0:
             return None
         c = jobs_t.c
-        local = [and_(c.gpus == 0, cpu_slots > 0)] if cpu_slots > 0 else []
+        local = [c.gpus == 0] if cpu_slots > 0 else []
         local += [and_(c.gpus == g, c.min_vram <= vram[g - 1]) for g in range(1, len(vram) + 1)]
         fits = [and_(c.executor != "slurm", or_(*local))] if local else []
         if slurm_slots > 0:
             fits.append(c.executor == "slurm")
+        if not fits:
+            return None
+        # One statement: the best candidate, skipping rows another worker is claiming (Postgres), moved
+        # to STARTING only if still PENDING. The (status, priority DESC, seq) index serves the order.
+        cand = (select(c.id).where(c.status == "PENDING", or_(*fits))
+                .order_by(c.priority.desc(), c.seq).limit(1))
+        if not self.is_sqlite:
+            cand = cand.with_for_update(skip_locked=True)
+        run_dir = literal(run_root.rstrip("/") + "/", String) + c.id if run_root else None
+        values: dict[str, Any] = dict(status="STARTING", attempt=c.attempt + 1, reason=None, message=None,
+                                      exit_code=None, finished_at=None)
+        if worker_id is not None:
+            values["worker_id"] = worker_id
+        if run_dir is not None:
+            values["run_dir"] = run_dir
+        now = time.time()
         with self.engine.begin() as conn:
-            q = (select(c.id, c.attempt).where(c.status == "PENDING", or_(*fits) if fits else false())
-                 .order_by(c.priority.desc(), c.seq).limit(1))
-            if not self.is_sqlite:
-                q = q.with_for_update(skip_locked=True)
-            row = conn.execute(q).first()
+            row = conn.execute(update(jobs_t).where(c.id == cand.scalar_subquery(), c.status == "PENDING")
+                               .values(**values).returning(*_JOB_COLS)).mappings().first()
             if row is None:
-                return None
-            now = time.time()
-            number = row.attempt + 1
-            values: dict[str, Any] = dict(status="STARTING", attempt=number, reason=None, message=None, exit_code=None,
-                                          finished_at=None)
-            run_dir = f"{run_root.rstrip('/')}/{row.id}" if run_root else None
-            if worker_id is not None:
-                values["worker_id"] = worker_id
-            if run_dir is not None:
-                values["run_dir"] = run_dir
-            res = conn.execute(update(jobs_t).where(c.id == row.id, c.status == "PENDING").values(**values))
-            if res.rowcount != 1:
-                return None  # another worker won the race
-            lease = self.db_now(conn) + lease_s if lease_s else None
-            conn.execute(insert(attempts_t).values(job_id=row.id, number=number, status="STARTING", started_at=now,
-                                                   worker_id=worker_id, lease_until=lease, run_dir=run_dir))
-            data: dict[str, Any] = {"status": "STARTING", "attempt": number}
+                return None  # nothing fits, or another worker won the race
+            job = _job_dict(row)
+            lease = self.now_expr() + lease_s if lease_s else None
+            res = conn.execute(insert(attempts_t).values(
+                job_id=job["id"], number=job["attempt"], status="STARTING", started_at=now, worker_id=worker_id,
+                lease_until=lease, run_dir=job["run_dir"] if run_root else None).returning(attempts_t.c.lease_until))
+            data: dict[str, Any] = {"status": "STARTING", "attempt": job["attempt"]}
             if worker_id is not None:
                 data["worker_id"] = worker_id
-            self._event(conn, row.id, "job.status", data)
-            job = self._get(conn, row.id)
-            job["lease_until"] = lease
+            self._event(conn, job["id"], "job.status", data)
+            job["lease_until"] = res.scalar()
             return job
 
     @_writes
@@ -282,7 +284,6 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         if status not in TERMINAL:
             raise ValueError(f"finish_attempt needs a terminal status, got {status}")
         with self.engine.begin() as conn:
-            self.lock_job(conn, job_id)
             job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=exit_code,
                                        message=message, requeue=requeue, retry_on=retry_on, never_ran=never_ran,
                                        worker_id=worker_id, only_if_expired=only_if_expired, output=output)
@@ -312,13 +313,13 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
                 never_ran: bool, worker_id: str | None, only_if_expired: bool, output: dict[str, Any] | None,
                 note: str | None = None) -> tuple[dict[str, Any], bool]:
         now = time.time()
-        job = self._get(conn, job_id)
+        job = self._get(conn, job_id, lock=True)
         a = attempts_t.c
         cond = [a.job_id == job_id, a.number == number, a.status.in_(_HELD)]
         if worker_id is not None:
             cond.append(a.worker_id == worker_id)
         if only_if_expired:
-            cond.append(a.lease_until < self.db_now(conn))
+            cond.append(a.lease_until < self.now_expr())
         res = conn.execute(update(attempts_t).where(*cond).values(
             status=status, reason=reason, exit_code=exit_code, message=message, finished_at=now))
         if res.rowcount == 0:
@@ -490,8 +491,11 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             return conn.execute(select(func.max(events_t.c.id))).scalar() or 0
 
     # ------------------------------------------------------------ internals
-    def _get(self, conn: Connection, job_id: str, prefix: bool = False) -> dict[str, Any]:
-        row = conn.execute(select(*_JOB_COLS).where(jobs_t.c.id == job_id)).mappings().first()
+    def _get(self, conn: Connection, job_id: str, prefix: bool = False, lock: bool = False) -> dict[str, Any]:
+        q = select(*_JOB_COLS).where(jobs_t.c.id == job_id)
+        if lock and self.is_postgres:  # held until commit: the job's row is the first lock every writer takes
+            q = q.with_for_update()
+        row = conn.execute(q).mappings().first()
         if row is None and prefix and len(job_id) >= 4:
             rows = conn.execute(select(*_JOB_COLS).where(jobs_t.c.id.startswith(job_id, autoescape=True)).limit(2)).mappings().all()
             if len(rows) == 1:

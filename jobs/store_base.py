@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, insert, select, text, update
+from sqlalchemy import Connection, Float, cast, create_engine, event, func, insert, literal, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
 
@@ -184,6 +184,12 @@ class StoreBase:
             return float(conn.execute(text("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8")).scalar_one())
         return time.time()
 
+    def now_expr(self) -> Any:
+        """The database's clock in a statement (epoch seconds): leases computed where they are stored."""
+        if self.is_postgres:
+            return cast(func.extract("epoch", func.clock_timestamp()), Float)
+        return literal(time.time(), Float)
+
     def lock_job(self, conn: Connection, job_id: str) -> None:
         """Postgres: hold the job's row until commit (SQLite's writer lock already serializes)."""
         if self.is_postgres:
@@ -196,8 +202,8 @@ class StoreBase:
 
     def _event(self, conn: Connection, job_id: str | None, type: str, data: dict[str, Any]) -> int:
         if self.is_postgres:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _EVENT_LOCK})
-            conn.execute(text("SELECT pg_notify(:c, '')"), {"c": EVENTS_CHANNEL})
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k), pg_notify(:c, '')"), {"k": _EVENT_LOCK,
+                                                                                     "c": EVENTS_CHANNEL})
         ts = time.time()
         data = strict_json.finite(data)
         res = conn.execute(insert(events_t).values(ts=ts, job_id=job_id, type=type, data=strict_json.dumps(data)))

@@ -150,6 +150,8 @@ def _m3_workers_and_leases(conn: Connection) -> None:
     _add_column(conn, "attempts", "run_dir", "TEXT")
     # Live attempts are few among all attempts ever made; the reaper and the heartbeat find them here.
     conn.execute(text("CREATE INDEX IF NOT EXISTS ix_attempts_live ON attempts (status, worker_id)"))
+    # Claims take the best PENDING job: priority high to low, then oldest; this index is that order.
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_claim_order ON jobs (status, priority DESC, seq)"))
     for t in (workers_t, log_chunks_t, metric_rows_t):
         t.create(conn, checkfirst=True)
 
