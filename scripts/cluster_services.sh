@@ -59,7 +59,7 @@ start_slurm() {
         cat >/etc/slurm/slurm.conf <<EOF
 # offload-jobs test node (scripts/cluster_services.sh): one node, fake GPUs, no accounting daemon
 ClusterName=offload
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -83,7 +83,7 @@ InactiveLimit=0
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
-NodeName=$host CPUs=$cpus RealMemory=$mem Gres=gpu:$SLURM_GPUS State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem Gres=gpu:$SLURM_GPUS State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
         local last=$(( SLURM_GPUS - 1 ))
