@@ -139,3 +139,33 @@ def test_a_train_job_past_its_limit_checkpoints_on_the_signal(worker: WorkerProc
         assert '"signalled": "SIGTERM"' in exit_rec
         print(f"\n[slurm] past its limit: checkpoint at step {step}, ended {time.monotonic() - t0:.0f}s after the "
               "other tests")
+
+
+def test_a_lost_workers_slurm_job_is_cancelled_by_the_reaper_that_retries_it(tmp_path: Path, pg_url: str) -> None:
+    from cluster_helpers import ClusterWorker
+
+    a = ClusterWorker(tmp_path / "wa", "wa", pg_url, timeout=6.0).start()
+    b = None
+    try:
+        with a.client() as ca:
+            job = ca.submit({"kind": "command", "executor": "slurm", "retry": {"max_attempts": 2, "on": ["worker_lost"]},
+                             "command": "echo up $OFFLOAD_JOBS_ATTEMPT; sleep 300 & wait"})["id"]
+            wait_until(lambda: "up 1" in ca.logs(job)["data"], 60, what="attempt 1 running in Slurm")
+            first = ca.get(job)["attempts"][0]["handle"]["slurm_job_id"]
+        b = ClusterWorker(tmp_path / "wb", "wb", pg_url, timeout=6.0).start()
+        a.kill9()  # its Slurm job runs on without it
+        with b.client() as cb:
+            wait_until(lambda: cb.get(job)["attempt"] == 2 and cb.get(job)["status"] == "RUNNING", 40,
+                       what="the retry in Slurm")
+            second = cb.get(job)["attempts"][1]["handle"]["slurm_job_id"]
+            assert second != first and cb.get(job)["worker_id"] == "wb"
+            wait_until(lambda: _scontrol(first).get("JobState") not in ("RUNNING", "PENDING", "COMPLETING"), 30,
+                       what="the lost attempt's Slurm job cancelled")
+            att = cb.get(job)["attempts"][0]
+            assert (att["status"], att["reason"]) == ("FAILED", "worker_lost")
+            cb.cancel(job)
+            assert cb.wait(job, timeout=60)["status"] == "CANCELLED"
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
