@@ -184,7 +184,8 @@ class Heartbeat:
         return sent + self.timeout - self.margin
 
     def holds(self, job_id: str, attempt: int, since: float) -> bool:
-        """False when the last renewal, sent after `since`, did not renew this attempt: it was taken."""
+        """False when the last renewal did not renew this attempt although it was sent after `since` (when
+        the attempt's claim had committed, so that renewal saw it): it was taken, or its lease ran out."""
         if not self.fencing or self.renewed_sent <= since:
             return True
         return (job_id, attempt) in self.renewed

@@ -79,7 +79,8 @@ class _Running:
     retry_at: float = 0.0
     failures: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    claim_sent: float = 0.0  # monotonic time the claim was sent (its lease counts from then)
+    claim_sent: float = 0.0  # monotonic time the claim was sent (its local lease deadline counts from then)
+    claimed: float = 0.0  # and when it had committed: only a renewal sent after that must have renewed it
     fenced: bool = False  # its lease is gone: stopped, and its end is not ours to record
     ship: Shipment | None = None  # shared stores: what of its output reached the store
 
@@ -206,7 +207,7 @@ class Scheduler:
                 return
             if job is None:
                 return
-            self._launch(job, sent)
+            self._launch(job, sent, time.monotonic())
 
     def _may_claim(self) -> bool:
         """Shared stores: only with a fresh lease (a worker cut off from the store takes no more work)."""
@@ -225,7 +226,7 @@ class Scheduler:
         self._free_gpus = [g for g in self._free_gpus if g not in chosen]
         return sorted(chosen)
 
-    def _launch(self, job: dict[str, Any], claim_sent: float | None = None) -> None:
+    def _launch(self, job: dict[str, Any], claim_sent: float | None = None, claimed: float | None = None) -> None:
         job_id, number = job["id"], job["attempt"]
         run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
         try:
@@ -237,6 +238,7 @@ class Scheduler:
         gpus = self._pick_gpus(spec) if spec.gpus > 0 and not slurm else []
         r = _Running(job_id, number, spec, run_dir, None, None, gpus, time.monotonic())
         r.claim_sent = claim_sent if claim_sent is not None else time.monotonic()
+        r.claimed = claimed if claimed is not None else time.monotonic()
         self.running[job_id] = r
         lease_file = None
         try:
@@ -365,7 +367,7 @@ class Scheduler:
         """Stop `r` when its lease is gone (taken: at once) or about to run out locally (from grace before)."""
         hb = self.heartbeat
         assert hb is not None and r.executor is not None and r.handle is not None
-        if not r.fenced and (hb.lost_id or not hb.holds(r.job_id, r.attempt, r.claim_sent)):
+        if not r.fenced and (hb.lost_id or not hb.holds(r.job_id, r.attempt, r.claimed)):
             r.fenced = True
             r.run_dir.append_log(f"[offload-jobs] attempt {r.attempt} is no longer this worker's (its lease ran out "
                                  "and another worker took it over); stopping it\n")
@@ -625,7 +627,7 @@ class Scheduler:
         except OSError:
             pass
         if self.shared:
-            r.claim_sent = 0.0  # held only if the first renewal renewed it
+            r.claim_sent = r.claimed = 0.0  # held only if the first renewal renewed it
             try:
                 r.ship = Shipment.resume(run_dir, handle.info, self.store.shipped(job["id"], a["number"]))
             except StoreError:
