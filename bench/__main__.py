@@ -1,4 +1,4 @@
-"""python -m bench --workloads p1,p2,p3 --json out.json [--device cuda|cpu] [--tiny] [--only ours,resident]
+"""python -m bench --workloads p1,p2,p3,flux-dev-lora-8g --json out.json [--device cuda|cpu] [--tiny] [--only ours,resident]
 
 Everything runs in this one process: the copy ceilings, then for each workload one CPU master
 model and one set of inputs, and every variant on a fresh copy of that master.
@@ -18,8 +18,8 @@ from typing import Any
 __all__ = ["main"]
 
 ALL_VARIANTS = [
-    "resident", "resident-repeat", "ours", "ours-tuned", "ours-budget50", "ours-fp8", "ours-overlap", "serial-hooks",
-    "diffusers-leaf", "diffusers-block", "accelerate",
+    "resident", "resident-repeat", "ours-seed", "ours", "ours-pf2", "ours-tuned", "ours-budget50", "ours-budget7g",
+    "ours-phase", "ours-fp8", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
 ]
 
 
@@ -29,7 +29,7 @@ class UsageError(Exception):
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="Weight-offload benchmark: ours against resident and the peers.")
-    p.add_argument("--workloads", default="p1,p2,p3", help="comma list of p1, p2, p3")
+    p.add_argument("--workloads", default="p1,p2,p3", help="comma list of p1, p2, p3, flux-dev-lora-8g")
     p.add_argument("--json", dest="json_path", default=None, help="write every measurement here")
     p.add_argument("--md", dest="md_path", default=None, help="also write the report as markdown here")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     if device.type == "cpu":
         torch.set_num_threads(max(1, args.cpu_threads or 1))
+    else:
+        # cuDNN's SDPA backward is broken for bf16 Flux-width attention on torch 2.11 + cuDNN 9.19
+        # (torch issue 196678, resident too): flash and memory-efficient attention take over.
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -116,6 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": warmup,
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
+        "cudnn_sdp": "off" if device.type == "cuda" else None,
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -153,8 +158,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
             log(f"    {status}")
             rows.append(row)
+            if args.json_path:  # after each variant, so a run cut short still leaves its results
+                derive(rows, metas, ceiling)
+                _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows,
+                                             "partial": True})
         del master, inputs
-        if args.json_path:  # after each workload, so a run cut short still leaves its results
+        if args.json_path:
             derive(rows, metas, ceiling)
             _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows, "partial": True})
     derive(rows, metas, ceiling)

@@ -14,19 +14,22 @@ from .workloads import Workload
 
 __all__ = ["TARGETS", "derive", "workload_meta"]
 
-# Acceptance targets from issue 3, as ratios to the row's floor (for our rows: their own floor, the
-# bytes that configuration streams; it is never above the workload floor, so never easier).
+# Acceptance targets (issues 3 and 9), as ratios to the row's floor (for our rows: their own floor,
+# the bytes that configuration streams; it is never above the workload floor, so never easier).
 TARGETS: dict[tuple[str, str], float] = {
-    ("p1", "ours"): 1.05,
+    ("p1", "ours"): 1.03,  # issue 9: "P1 still <= 1.03x" at the defaults
     ("p1", "ours-tuned"): 1.05,
     ("p1", "ours-budget50"): 1.05,
     ("p1", "ours-fp8"): 0.60,  # against the bf16 floor of the bytes it streams
-    ("p2", "ours"): 1.10,
+    ("p2", "ours"): 1.05,  # issue 9: the defaults
     ("p2", "ours-tuned"): 1.10,
+    ("p3", "ours-seed"): 2.0,  # issue 9: the seed's toy unchanged
     ("p3", "ours"): 2.0,
     ("p3", "ours-tuned"): 2.0,
-    ("p3", "ours-overlap"): 2.0,
+    ("flux-dev-lora-8g", "ours"): 1.08,  # issue 9: the defaults, under an 8 GiB cap
 }
+# vram_budget rows: peak allocated VRAM must stay within the budget times this.
+BUDGET_SLACK = 1.01
 
 
 def _largest(modules: list[nn.Module]) -> int:
@@ -103,6 +106,11 @@ def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling
         if target is not None:
             r["target_x_floor"] = target
             r["meets_target"] = r["x_floor"] is not None and r["x_floor"] <= target
+        budget = (r.get("config") or {}).get("vram_budget")
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool) and r.get("peak_vram_bytes") is not None:
+            # process-wide peak allocated against the budget (the engine's budget counts activations too)
+            r["peak_over_budget"] = r["peak_vram_bytes"] / budget
+            r["within_budget"] = r["peak_over_budget"] <= BUDGET_SLACK
         _vram_bound(r, meta)
 
 
@@ -117,16 +125,17 @@ def _vram_bound(r: dict[str, Any], meta: dict[str, Any]) -> None:
     if not isinstance(largest, (int, float)):
         gran = r.get("config", {}).get("offload_granularity", "block")
         largest = meta["largest_leaf_bytes"] if gran == "leaf" else meta["largest_block_bytes"]
-    prefetch = int(r.get("config", {}).get("prefetch", 2))
+    slots = (r.get("stats") or {}).get("slot_count")  # the ring as it ended (grown into free VRAM, or pinned)
+    prefetch = int(slots) - 1 if isinstance(slots, (int, float)) else int(r.get("config", {}).get("prefetch") or 2)
     resident = (r.get("stats") or {}).get("resident_bytes") or 0
     budget = r.get("config", {}).get("vram_budget")
     if isinstance(budget, (int, float)):
-        # our planner spends the budget on the slot ring and the resident units together
-        bound, basis = budget + act, "vram_budget + activations"
+        # the budget bounds the whole peak, activations included
+        bound, basis = budget * BUDGET_SLACK, "vram_budget x 1.01 (activations included)"
     else:
         staging = (r.get("stats") or {}).get("staging_bytes") or 0
         bound = (prefetch + 1) * largest + resident + staging + act
-        basis = "(prefetch+1) x largest unit + resident + activations"
+        basis = "ring slots x largest unit + resident + activations"
         if staging:
             basis = basis.replace(" + activations", " + 2 fp8 staging buffers + activations")
     peak = r["peak_vram_bytes"] - r.get("vram_baseline_bytes", 0)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DiTBlock", "DiTStack", "LinearToy", "build_flux", "fill_random_", "tensor_bytes"]
+__all__ = ["DiTBlock", "DiTStack", "LinearToy", "build_flux", "build_flux_lora", "fill_random_", "tensor_bytes"]
 
 # Pool of random values that every tensor copies from at its own random offsets: memcpy speed,
 # yet no two tensors (and no two blocks) hold the same values, so a unit mix-up shows in outputs.
@@ -94,6 +94,23 @@ def build_flux(config: dict[str, Any], num_layers: int, num_single_layers: int, 
     return _materialize(model, dtype, seed).eval().requires_grad_(False)
 
 
+# Attention and MLP projections of Flux's double and single blocks (and the final projection).
+FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+
+
+def build_flux_lora(config: dict[str, Any], num_layers: int, num_single_layers: int, rank: int, dtype: torch.dtype,
+                    seed: int = 0) -> nn.Module:
+    """Flux with peft LoRA (weights in ``dtype``, B nonzero) on FLUX_LORA_TARGETS, gradient checkpointing on."""
+    from peft import LoraConfig
+
+    model = build_flux(config, num_layers, num_single_layers, dtype, seed)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=FLUX_LORA_TARGETS))
+    _fill_lora_(model, dtype, seed + 1)
+    model.enable_gradient_checkpointing()
+    return model.train()
+
+
 # ---- P2: a plain DiT stack --------------------------------------------------------------------
 
 
@@ -152,14 +169,18 @@ def build_dit_lora(
     _materialize(model, dtype, seed).requires_grad_(False)
     cfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
     inject_adapter_in_model(cfg, model)
-    gen = torch.Generator().manual_seed(seed + 1)
+    _fill_lora_(model, lora_dtype, seed + 1)
+    return model.train()
+
+
+def _fill_lora_(model: nn.Module, dtype: torch.dtype, seed: int) -> None:
+    """Every LoRA weight random in ``dtype`` and trainable (B nonzero too, so LoRA shapes the first loss)."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                # B nonzero too, so LoRA shapes the very first loss.
-                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(lora_dtype)
+                p.data = (torch.randn(p.shape, generator=gen) * 0.01).to(dtype)
                 p.requires_grad_(True)
-    return model.train()
 
 
 # ---- P3: DiffSynth's linear toy ---------------------------------------------------------------

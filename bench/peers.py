@@ -76,8 +76,8 @@ def _manager(model: nn.Module, device: torch.device, opt: torch.optim.Optimizer,
 
 
 def ours_variant(name: str, **cfg: Any) -> Variant:
-    """Our engine with the given OffloadConfig overrides (block granularity, prefetch 2 by default)."""
-    cfg = {"offload_granularity": "block", "prefetch": 2, "use_streams": True, **cfg}
+    """Our engine with the given OffloadConfig overrides on top of the engine's own defaults."""
+    cfg = dict(cfg)
 
     def setup(model: nn.Module, wl: Workload, device: torch.device) -> Session:
         from offload_core import enable_offload
@@ -88,6 +88,16 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
             # a fraction of the streamed weight bytes, resolved on this copy of the model
             run_cfg["vram_budget"] = int(budget * wl.streamed_bytes(model))
         fused = run_cfg.pop("optimizer_fused", False)
+        if run_cfg.pop("as_written", False):
+            # The seed's toy exactly as DiffSynth documents it: plain AdamW made on model.parameters()
+            # first, then OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True),
+            # no optimizer argument, every other setting at its default.
+            from offload_core import OffloadTrainingManager
+
+            opt = wl.make_optimizer(model)
+            mgr = OffloadTrainingManager(model, str(device), enable_optimizer_cpu_offload=True)
+            return Session(model, mgr.remove, opt, mgr.stats, mgr.after_backward, run_cfg,
+                           note="as written: no optimizer argument, plain AdamW, defaults")
         if wl.optimizer_offload:
             # on the CPU master parameters, as DiffSynth does
             opt = wl.make_optimizer(model, fused=fused)
@@ -160,20 +170,29 @@ def _accelerate(model: nn.Module, wl: Workload, device: torch.device) -> Session
 
 def variants_for(wl: Workload) -> list[Variant]:
     """Every variant of a workload, in run order (ours before the peers, so their pinned caches can't help us)."""
-    out = [
-        Variant("resident", _resident, "resident"),
-        Variant("resident-repeat", _resident, "resident"),
-        ours_variant("ours"),
+    out = [Variant("resident", _resident, "resident"), Variant("resident-repeat", _resident, "resident")]
+    if wl.optimizer_offload:
+        # the seed's toy unchanged, then our engine with the optimizer passed in (as before)
+        out.append(ours_variant("ours-seed", as_written=True))
+    out += [
+        ours_variant("ours"),  # every setting at the engine's default (the ring grows into free VRAM)
+        ours_variant("ours-pf2", prefetch=2),  # the depth pinned at the old default
         Variant("ours-tuned", ours_variant("ours-tuned").setup, "ours", {"sweep": "prefetch 2/4/6/8 block, 2 leaf"}),
     ]
     if wl.name in ("p1", "p2"):
-        # the planner: half the weights' bytes for the ring and sticky units, chosen from measured times
+        # the planner: half the weights' bytes for everything on the device, chosen from measured times
         out.append(ours_variant("ours-budget50", vram_budget=0.5))
+    if wl.name == "flux-dev-lora-8g":
+        out.append(ours_variant("ours-budget7g", vram_budget="7.0GiB"))
+        # phase units (a block's children): a ring slot is ~151 MB instead of a 680 MB double block
+        out.append(ours_variant("ours-phase", offload_granularity="phase"))
     if wl.name == "p1":
         out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))
     if wl.optimizer_offload:
-        # Each parameter stepped on the CPU (fused AdamW) as soon as its gradient lands.
-        out.append(ours_variant("ours-overlap", overlap_optimizer_step=True, optimizer_fused=True))
+        # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
+        out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))
+        # every step inside optimizer.step(), with the optimizer's own kernel: the engine as it was
+        out.append(ours_variant("ours-serial-step", overlap_optimizer_step=False, fused_cpu_optimizer=False))
     if wl.train:
         out.append(ours_variant("serial-hooks", use_streams=False, prefetch=0))
     out += [
@@ -186,6 +205,6 @@ def variants_for(wl: Workload) -> list[Variant]:
 
 # Deeper prefetch means more slots: the units the backward pass ends on are the ones the next
 # forward starts with, so a bigger ring turns them into hits (P2), at the cost of VRAM.
-TUNE_GRID: list[dict[str, Any]] = [
+TUNE_GRID: list[dict[str, Any]] = [  # (granularity pinned as the sweep's second axis)
     {"prefetch": pf, "offload_granularity": "block"} for pf in (2, 4, 6, 8)
 ] + [{"prefetch": 2, "offload_granularity": "leaf"}]

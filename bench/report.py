@@ -7,7 +7,8 @@ from typing import Any, Callable
 __all__ = ["format_header", "format_markdown", "format_table", "render"]
 
 COLUMNS = [
-    "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "x floor paired", "target", "peak GB", "H2D GB/step",
+    "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "x floor paired", "target", "peak GB", "peak/budget",
+    "H2D GB/step",
     "RSS/W", "pin/W", "setup s/GB", "pack s/GB", "exact", "max diff", "stall ms", "misses", "pred ms", "note",
 ]
 
@@ -54,6 +55,8 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _f(r.get("x_floor_paired")),
         tgt,
         _f(peak),
+        "-" if r.get("peak_over_budget") is None else (f"{r['peak_over_budget']:.3f} "
+                                                        + ("ok" if r.get("within_budget") else "OVER")),
         h2d_s,
         _f(r.get("rss_over_weight")),
         _f(r.get("pinned_over_weight"), "{:.3f}"),
@@ -72,7 +75,12 @@ def _short_note(r: dict[str, Any]) -> str:
     cfg = r.get("config", {})
     if r.get("family") != "ours":
         return ""
-    bits = [f"pf{cfg.get('prefetch')}/{cfg.get('offload_granularity')}"]
+    st = r.get("stats") or {}
+    depth = st.get("prefetch_depth", cfg.get("prefetch"))
+    pinned = cfg.get("prefetch") is not None
+    bits = [f"pf{depth}{'' if pinned else ' (auto)'}/{cfg.get('offload_granularity') or st.get('granularity') or 'auto'}"]
+    if st.get("optimizer_kernel"):
+        bits.append(f"cpu step {st['optimizer_kernel']}{' overlapped' if st.get('optimizer_step_overlapped') else ''}")
     if not cfg.get("use_streams", True):
         bits.append("no streams")
     if cfg.get("weight_dtype"):
@@ -126,6 +134,17 @@ def format_notes(rows: list[dict[str, Any]]) -> list[str]:
         if r.get("paired"):
             pr = r["paired"]
             bits.append(f"paired x{pr['rounds']}: resident {pr['resident_median_ms']:.2f} ms, ours {pr['ours_median_ms']:.2f} ms")
+        if r.get("paired_skipped"):
+            bits.append(f"no paired rounds: {r['paired_skipped']}")
+        if r.get("vram_cap_bytes"):
+            bits.append(f"under a {r['vram_cap_bytes'] / 2**30:.0f} GiB per-process cap")
+        st = r.get("stats") or {}
+        if st.get("plan_chosen_by") not in (None, "none", "bytes"):
+            bits.append(f"plan: {st['plan_chosen_by']}, {st.get('slot_count')} slots, depth {st.get('prefetch_depth')}"
+                        + (f", {st['plan_sticky_units']} sticky" if st.get("plan_sticky_units") else "")
+                        + (f", planned {st['plan_planned_step_ms']:.1f} ms" if st.get("plan_planned_step_ms") else ""))
+        if r.get("peak_over_budget") is not None:
+            bits.append(f"peak allocated {r['peak_vram_bytes'] / 2**30:.3f} GiB = {r['peak_over_budget']:.3f} x the budget")
         if r.get("rel_l2_err") is not None and r.get("bitwise_equal") is None:
             bits.append(f"rel L2 error vs bf16 resident {r['rel_l2_err']:.2e}")
         if r.get("vram_within_bound") is not None:
@@ -173,6 +192,7 @@ def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
     echo("H2D GB/step: from the engine's counters, or * from torch.profiler.")
     echo("setup s/GB: the whole session's setup (engine, optimizer offload, optimizer).  pack s/GB: the engine's pack and pin.")
     echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
+    echo("peak/budget: peak allocated VRAM of the whole process / vram_budget (must be <= 1.01).")
     echo(format_table(result["rows"]))
 
 

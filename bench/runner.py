@@ -135,6 +135,9 @@ def run_variant(
     model: nn.Module | None = None
     step = None
     started = time.perf_counter()
+    capped = _cap(wl, variant, device)
+    if capped:
+        row["vram_cap_bytes"] = wl.vram_cap_bytes
     try:
         model = copy.deepcopy(master)
         if device.type == "cuda":
@@ -213,7 +216,9 @@ def run_variant(
                     row["h2d_bytes_per_step"] = copies["h2d_bytes"]
                     row["d2h_bytes_per_step"] = copies["d2h_bytes"]
                     row["h2d_source"] = "profiler"
-        if paired > 0 and variant.family == "ours":
+        if paired > 0 and variant.family == "ours" and capped:
+            row["paired_skipped"] = "resident cannot run under this workload's VRAM cap next to ours"
+        elif paired > 0 and variant.family == "ours":
             row["paired"] = _paired(wl, master, inputs, device, step, paired)
         row["status"] = "ok"
     except NotApplicable as e:
@@ -228,10 +233,22 @@ def run_variant(
                 row.setdefault("teardown_error", f"{type(e).__name__}: {e}")
         sess = model = step = None  # the step closure holds the session, and so the model
         free_device(device)
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
         row["wall_s"] = time.perf_counter() - started
         if device.type == "cuda":
             row["vram_after_teardown_bytes"] = torch.cuda.memory_allocated(device)
     return row
+
+
+def _cap(wl: Workload, variant: Variant, device: torch.device) -> bool:
+    """Emulate the workload's smaller card for every variant but resident (which must fit the model)."""
+    if not wl.vram_cap_bytes or device.type != "cuda" or variant.family == "resident":
+        return False
+    free_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, wl.vram_cap_bytes / total), device)
+    return True
 
 
 def _paired(wl: Workload, master: nn.Module, inputs: dict[str, torch.Tensor], device: torch.device,

@@ -1,4 +1,4 @@
-"""P1, P2 and P3: how to build each model and its inputs, and what one step of it is.
+"""P1, P2, P3 and flux-dev-lora-8g: how to build each model and its inputs, and what one step of it is.
 
 A workload builds one CPU master model; every variant runs on a deep copy of it, with the same
 inputs, so outputs are comparable bit for bit.
@@ -15,9 +15,11 @@ from torch import nn
 
 from .models import (
     FLUX_DEV_WIDTHS,
+    FLUX_LORA_TARGETS,
     FLUX_TINY,
     build_dit_lora,
     build_flux,
+    build_flux_lora,
     build_linear_toy,
     tensor_bytes,
 )
@@ -46,6 +48,9 @@ class Workload:
     lr: float = 1e-4
     floor_note: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    # Our variants run under this per-process VRAM cap (torch.cuda.set_per_process_memory_fraction),
+    # emulating a smaller card; resident runs uncapped. Paired rounds cannot hold both at once.
+    vram_cap_bytes: int | None = None
 
     def streamed_bytes(self, model: nn.Module) -> int:
         """Bytes that must be streamed each time the model runs once (frozen weights, and trainable ones if streamed)."""
@@ -58,7 +63,7 @@ class Workload:
 
     # -- one step ---------------------------------------------------------------------------
     def forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.name == "p1":
+        if self.name == "p1" or self.name.startswith("flux"):
             return model(**{k: v for k, v in inputs.items() if k != "target"}, return_dict=False)[0]
         return model(inputs["x"])
 
@@ -74,13 +79,7 @@ class Workload:
 # ---- P1: Flux inference -----------------------------------------------------------------------
 
 
-def _flux(tiny: bool) -> Workload:
-    cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
-    double, single = (1, 1) if tiny else (4, 8)
-    side = 16 if tiny else 64  # 1024x1024 -> 128x128 latents -> 64x64 tokens of 2x2 patches
-    txt = 16 if tiny else 512
-    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
-
+def _flux_inputs(cfg: dict[str, Any], side: int, txt: int, target: bool = False) -> Callable:
     def make_inputs(device: torch.device) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(1)
         dt = torch.bfloat16
@@ -95,7 +94,20 @@ def _flux(tiny: bool) -> Workload:
             "img_ids": img_ids.reshape(-1, 3),
             "txt_ids": torch.zeros(txt, 3),
         }
+        if target:
+            inputs["target"] = torch.randn(1, side * side, cfg["in_channels"], generator=g).to(dt)
         return {k: v.to(device) for k, v in inputs.items()}
+
+    return make_inputs
+
+
+def _flux(tiny: bool) -> Workload:
+    cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
+    double, single = (1, 1) if tiny else (4, 8)
+    side = 16 if tiny else 64  # 1024x1024 -> 128x128 latents -> 64x64 tokens of 2x2 patches
+    txt = 16 if tiny else 512
+    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
+    make_inputs = _flux_inputs(cfg, side, txt)
 
     return Workload(
         name="p1",
@@ -171,7 +183,34 @@ def _toy(tiny: bool) -> Workload:
     )
 
 
-WORKLOADS: dict[str, Callable[[bool], Workload]] = {"p1": _flux, "p2": _lora, "p3": _toy}
+# ---- flux-dev-lora-8g: full Flux-dev dims, LoRA training on an 8 GiB card ----------------------
+
+
+def _flux_dev_lora(tiny: bool) -> Workload:
+    cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
+    double, single = (1, 2) if tiny else (19, 38)
+    side = 16 if tiny else 64
+    txt = 16 if tiny else 512
+    rank = 4 if tiny else 32
+    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
+    return Workload(
+        name="flux-dev-lora-8g",
+        title=(f"Flux-dev dims LoRA r{rank} training, {double}+{single} blocks, width {width}, "
+               f"{side * side}+{txt} tokens, bf16, checkpointed, ours under an 8 GiB cap"),
+        train=True,
+        build=lambda: build_flux_lora(cfg, double, single, rank, torch.bfloat16),
+        make_inputs=_flux_inputs(cfg, side, txt, target=True),
+        h2d_crossings=2,
+        lr=1e-4,
+        floor_note="frozen weights cross twice per step: forward, then the recompute that backward shares",
+        info={"double_blocks": double, "single_blocks": single, "width": width, "lora_rank": rank,
+              "lora_targets": ",".join(FLUX_LORA_TARGETS), "tokens": side * side + txt},
+        vram_cap_bytes=None if tiny else 8 << 30,
+    )
+
+
+WORKLOADS: dict[str, Callable[[bool], Workload]] = {"p1": _flux, "p2": _lora, "p3": _toy,
+                                                    "flux-dev-lora-8g": _flux_dev_lora}
 
 
 def get_workload(name: str, tiny: bool, *, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from jobs._cli import cancel, delete, init, logs, prune, ps, retry, schema, shard, show, submit, tui, validate, worker
+from jobs._cli import cancel, delete, init, logs, prune, ps, report, retry, schema, shard, show, submit, tui, validate, worker
 from jobs._cli import outputs, signal  # issue 15: train/infer runners
 from jobs._cli import workers  # issue 13: workers on a shared store
 from jobs._cli.lazy_coercion import defer_coercion
@@ -99,6 +99,7 @@ app.command("prune", rich_help_panel=_RUN)(prune.prune)
 app.command("tui", rich_help_panel=_RUN)(tui.tui)
 app.command("signal", rich_help_panel=_RUN)(signal.signal)
 app.command("outputs", rich_help_panel=_RUN)(outputs.outputs)
+app.command("report", rich_help_panel=_RUN)(report.report)
 app.command("validate", rich_help_panel=_SPEC)(validate.validate)
 app.command("init", rich_help_panel=_SPEC)(init.init)
 app.command("schema", rich_help_panel=_SPEC)(schema.schema)

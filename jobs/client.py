@@ -128,7 +128,7 @@ class JobsClient:
         challenge = secrets.token_hex(16)
         try:
             r = self._http.get("/healthz", params={"challenge": challenge})
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             raise WorkerUnreachable(self.url, type(exc).__name__) from None
         except httpx.TimeoutException:
             raise WorkerUnreachable(self.url, "timed out") from None
@@ -148,7 +148,8 @@ class JobsClient:
         self._ensure_verified()
         try:
             r = self._http.request(method, path, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            # ReadError: a connection reset mid-answer (Docker's port proxy resets while the worker starts)
             raise WorkerUnreachable(self.url, type(exc).__name__) from None
         except httpx.TimeoutException:
             raise WorkerUnreachable(self.url, "timed out") from None
@@ -335,3 +336,38 @@ def _parse_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
                 ev_type = value
             elif name == "data":
                 data.append(value)
+
+
+# ---------------------------------------------------------------- for the dashboard and `report` (issue 14)
+def _job_events(self: JobsClient, job_id: str) -> list[dict[str, Any]]:
+    """The job's own events (its run dir's events.jsonl), oldest first."""
+    return self._request("GET", f"/v1/jobs/{job_id}/events")["events"]
+
+
+def _outputs(self: JobsClient, job_id: str) -> list[dict[str, Any]]:
+    """Regular files under the job's outputs/: [{path, size, mtime}]."""
+    return self._request("GET", f"/v1/jobs/{job_id}/outputs")["files"]
+
+
+def _output_file(self: JobsClient, job_id: str, path: str) -> bytes:
+    """The bytes of one file listed by `outputs` (at most 64 MiB)."""
+    try:
+        r = self._http.get(f"/v1/jobs/{job_id}/outputs/{path}")
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        raise WorkerUnreachable(self.url, type(exc).__name__) from None
+    except httpx.TimeoutException:
+        raise WorkerUnreachable(self.url, "timed out") from None
+    if r.status_code >= 400:
+        self._check(r)
+    return r.content
+
+
+def _last_event_id(self: JobsClient) -> int:
+    """The id of the worker's newest event: `events()` from it misses nothing that follows."""
+    return int(self._request("GET", "/v1/events/last")["id"])
+
+
+JobsClient.job_events = _job_events  # type: ignore[attr-defined]
+JobsClient.last_event_id = _last_event_id  # type: ignore[attr-defined]
+JobsClient.outputs = _outputs  # type: ignore[attr-defined]
+JobsClient.output_file = _output_file  # type: ignore[attr-defined]

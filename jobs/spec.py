@@ -24,7 +24,7 @@ from jobs.spec_yaml import (
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
-from jobs.vocab import EXECUTORS, KINDS, REASONS
+from jobs.vocab import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
 from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
@@ -150,8 +150,9 @@ def _env(value: Any) -> Any:
                                              "not starting with a digit)")
         if len(name) > 256:
             raise _FieldError(f"env.{name[:40]}...", "name is longer than 256 characters")
-        if name.startswith("OFFLOAD_JOBS_"):
-            raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name")
+        if name.startswith("OFFLOAD_JOBS_") and name not in RUNNER_ENV_OPTIONS:
+            raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name "
+                                             f"(a job may set {', '.join(sorted(RUNNER_ENV_OPTIONS))})")
     return value
 
 
@@ -187,9 +188,25 @@ class OffloadSpec(_Strict):
     offload_to_disk: Optional[bool] = None
     shard_dir: Optional[str] = None
     num_disk_workers: Optional[int] = Field(None, ge=1, le=1024)
-    max_memory: Optional[Bytes] = Field(None, description="CPU cache budget in bytes or a size.")
+    max_memory: Optional[Bytes] = Field(
+        None, description="Disk tier: pinned host bytes for the staging slots and the cache (0: no cache).")
+    disk_cache_policy: Optional[Literal["belady", "fifo", "lru"]] = Field(
+        None, description="Disk cache eviction: next use in the traced order (belady), or fifo/lru.")
+    disk_verify: Optional[bool] = Field(None, description="Check each unit read from disk against its sha256.")
+    disk_direct: Optional[bool] = Field(None, description="O_DIRECT disk reads (default: where the filesystem allows).")
+    disk_stream_slots: Optional[int] = Field(
+        None, ge=1, le=1024, description="Staging slots the disk workers read into (default num_disk_workers + 2).")
     enable_optimizer_cpu_offload: Optional[bool] = None
     weight_dtype: Optional[str] = Field(None, description="Storage dtype, e.g. float8_e4m3fn.")
+    vram_margin: Optional[Bytes] = Field(
+        None, description="VRAM the ring's growth leaves free (default the larger of 512 MiB and 5% of the card).")
+    overlap_optimizer_step: Optional[bool] = Field(
+        None, description="Optimizer offload: step each unit on the CPU while backward goes on (default: on once it is safe).")
+    fused_cpu_optimizer: Optional[bool] = Field(
+        None, description="Optimizer offload: torch's fused CPU Adam/AdamW (false: bitwise equal to the plain kernel).")
+    split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
+    treat_as_inference: Optional[bool] = Field(
+        None, description="Stream every weight as frozen (default: when no parameter is frozen).")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keys the user set, ready for `enable_offload(model, **kwargs)`."""

@@ -50,7 +50,7 @@ class TrainSpec(_Strict):
     num_epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Passes over the dataset (instead of steps).")
     batch_size: int = Field(1, ge=1, le=65536, description="Items per micro-batch, all from one aspect bucket.")
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
-    learning_rate: float = Field(1e-4, gt=0.0, le=1e3)
+    learning_rate: float = Field(1e-4, gt=0.0, le=1e32)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0, le=10**9)
     weight_decay: float = Field(0.0, ge=0.0, le=1e3)

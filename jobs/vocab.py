@@ -33,3 +33,9 @@ RETRYABLE_REASONS = tuple(r for r in REASONS if r != "cancelled")
 
 KINDS = ("train", "infer", "shard", "command")
 EXECUTORS = ("process", "docker", "slurm")
+
+# OFFLOAD_JOBS_* variables a spec's `env` may set: options the runners read. Every other
+# OFFLOAD_JOBS_* name is the worker's own (run dir, metrics file, outputs, exit report).
+#   OFFLOAD_JOBS_VRAM_CAP           emulate a smaller card (torch.cuda.set_per_process_memory_fraction)
+#   OFFLOAD_JOBS_HOST_MEMORY_WARN   the host-RAM fraction at which the train runner warns
+RUNNER_ENV_OPTIONS = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_HOST_MEMORY_WARN"})

@@ -5,6 +5,10 @@
     image = pipe(prompt).images[0]
     print(handle.stats())
     handle.remove()
+
+    handle = enable_offload(meta_model, weights="FLUX.1-dev/transformer")   # read straight into the arena
+    handle = enable_offload(meta_model, lazy_load=True, shard_dir="shards", max_memory="6GiB")  # from disk
+    offload = enable_pipeline_offload(pipe, target_device="cuda")          # every component of a pipeline
 """
 
 from __future__ import annotations
@@ -12,18 +16,29 @@ from __future__ import annotations
 from .api import OffloadHandle, enable_offload
 from .config import Granularity, OffloadConfig, parse_bytes
 from .errors import (
+    AlreadyOffloadedError,
+    CheckpointMismatchError,
     DeviceUnavailableError,
+    LossyStorageWarning,
     NotAModuleError,
     OffloadConfigError,
     OffloadError,
     OptimizerMismatchError,
+    OptimizerOverlapError,
     ShardError,
+    VramBudgetError,
 )
+from .pipeline import PipelineOffload, enable_pipeline_offload
+from .store import HostStore
 from .training import OffloadTrainingManager
 
 __all__ = [
+    "AlreadyOffloadedError",
+    "CheckpointMismatchError",
     "DeviceUnavailableError",
     "Granularity",
+    "HostStore",
+    "LossyStorageWarning",
     "NotAModuleError",
     "OffloadConfig",
     "OffloadConfigError",
@@ -31,7 +46,11 @@ __all__ = [
     "OffloadHandle",
     "OffloadTrainingManager",
     "OptimizerMismatchError",
+    "OptimizerOverlapError",
+    "PipelineOffload",
     "ShardError",
+    "VramBudgetError",
     "enable_offload",
+    "enable_pipeline_offload",
     "parse_bytes",
 ]

@@ -45,10 +45,9 @@ class OffloadHandle:
             if (m._parameters if p else m._buffers).get(a) is not None
         )
         out.update(
-            pinned=e.arena.pinned,
-            pinned_capacity_bytes=e.arena.capacity_bytes,
-            pinned_used_bytes=e.arena.used_bytes,
-            host_arena_bytes=e.arena.allocated_bytes,
+            pinned=e.store.pinned,
+            pinned_capacity_bytes=e.store.capacity_bytes,
+            pinned_used_bytes=e.store.used_bytes,
             weight_bytes=streamed + resident,
             streamed_bytes=streamed,
             resident_bytes=resident,
@@ -57,6 +56,7 @@ class OffloadHandle:
             slot_count=len(e.ring.slots),
             slot_bytes=e.ring.slot_bytes,
             slot_grows=e.ring.grows,
+            prefetch_depth=e.schedule.depth,
             staging_bytes=e.widener.staging_bytes,  # fp8/bf16 storage: raw copies widened into slots
             h2d_bytes=c.h2d_bytes,
             h2d_count=c.h2d_count,
@@ -78,6 +78,7 @@ class OffloadHandle:
                     "stray": u.stray} for u in e.units],
             plan=dict(e.prediction),
         )
+        out.update(e.store.stats())
         h2d_ms = stall_ms = compute_ms = 0.0
         if e.timing is not None:
             e.timing.resolve(block=True)
@@ -118,12 +119,16 @@ class OffloadHandle:
         self.engine.remove()
 
 
-def enable_offload(model: nn.Module, config: OffloadConfig | dict | None = None, **overrides: Any) -> OffloadHandle:
+def enable_offload(model: nn.Module, config: OffloadConfig | dict | None = None, *,
+                   optimizer: torch.optim.Optimizer | None = None, **overrides: Any) -> OffloadHandle:
     """Stream model's weights from host memory to ``target_device`` as the model runs.
 
-    >>> handle = enable_offload(transformer, target_device="cuda", offload_granularity="block", prefetch=2)
+    >>> handle = enable_offload(transformer, target_device="cuda", offload_granularity="block")
     >>> out = transformer(**inputs)
     >>> handle.stats()["h2d_bytes"]
+
+    ``optimizer`` (with ``enable_optimizer_cpu_offload``) is the optimizer of the streamed trainable
+    parameters; without it the engine finds it at its first ``step()``.
     """
     if not isinstance(model, nn.Module):
         raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -133,5 +138,5 @@ def enable_offload(model: nn.Module, config: OffloadConfig | dict | None = None,
     if cfg.enable_optimizer_cpu_offload:
         from .optim_offload import OptimizerOffload
 
-        handle.trainer = OptimizerOffload(handle.engine, optimizer=cfg.extra.get("optimizer"))
+        handle.trainer = OptimizerOffload(handle.engine, optimizer=optimizer)
     return handle

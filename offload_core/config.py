@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import OffloadConfigError
@@ -47,7 +48,8 @@ def parse_bytes(value: int | float | str | None, *, key: str = "value") -> int |
 class OffloadConfig:
     """How a model is split, where its weights live and how they move.
 
-    Defaults stream every unit through pinned host memory with two units of prefetch.
+    Defaults stream every unit through pinned host memory. The prefetch depth starts at two units
+    and, on a card, grows into free VRAM while that cuts the measured stall (``prefetch=N`` pins it).
     """
 
     target_device: str = "cuda"
@@ -55,24 +57,51 @@ class OffloadConfig:
     offload_granularity: Granularity | str = Granularity.AUTO
     offload_ratio: float | None = None
     vram_budget: int | str | None = None
-    prefetch: int = 2
+    # Units fetched ahead. None (auto): start at 2, then deepen the ring into the card's free memory
+    # (less vram_margin) once the traced steps show it cuts the stall. A number pins the depth.
+    prefetch: int | None = None
     # Block/phase granularity: the tensors outside the block lists (embedders, final norm and
     # projection) stay resident when they total at most this fraction of the streamed bytes.
     # 0 streams them like the blocks.
     stray_resident_fraction: float = 0.05
+    # The disk tier (offload_core/disk/): lazy_load streams a model built on the meta device from
+    # the shards in shard_dir; offload_to_disk writes a model's shards there first, then frees its
+    # RAM copy. max_memory bounds the pinned host bytes of the disk tier: the staging slots the disk
+    # workers read into (disk_stream_slots, default num_disk_workers + 2, each the largest unit) and
+    # the cache (the rest), whose hit rate on repeated passes is its share of the streamed bytes.
+    # 0: no cache (staging slots only). None: the streamed bytes plus staging, at most half the RAM free.
     lazy_load: bool = False
     offload_to_disk: bool = False
     shard_dir: str | None = None
     num_disk_workers: int = 2
     max_memory: int | str | None = None
+    disk_cache_policy: str = "belady"  # next use in the traced order; "fifo" and "lru" are ablations
+    disk_verify: bool = False  # sha256 of every unit read, against the index
+    disk_direct: bool | None = None  # O_DIRECT reads: None where the filesystem allows, else buffered + DONTNEED
+    disk_stream_slots: int | None = None
+    # A checkpoint to read the weights from (a diffusers model folder with one or several safetensors
+    # files, or one .safetensors file), for a model built on the meta device: each streamed tensor is
+    # read straight into its host slab and each resident one onto the device, so host RAM never
+    # holds the weights twice.
+    weights: str | None = None
+    # Memory the auto prefetch leaves free on the card (bytes or "1GiB"; default max(512 MiB, 5%)).
+    vram_margin: int | str | None = None
     enable_optimizer_cpu_offload: bool = False
     # None (auto): a model with no frozen parameter is taken as an inference model, and every
     # weight is streamed as frozen (no gradient reaches it). False: trainable parameters stay
     # resident (what the training manager uses). True: always stream them as frozen.
     treat_as_inference: bool | None = None
     # With optimizer offload: step each parameter on the CPU as soon as its gradient lands,
-    # overlapping the rest of backward (needs the optimizer; incompatible with grad clipping).
-    overlap_optimizer_step: bool = False
+    # overlapping the rest of backward. None (auto): from the second step on, once the first step
+    # showed the optimizer and that nothing changes the gradients between after_backward() and
+    # step() (clip_grad_norm_ does). True: also from the first step when the optimizer is passed.
+    # False: every step runs inside optimizer.step().
+    overlap_optimizer_step: bool | None = None
+    # With optimizer offload: Adam/AdamW steps of streamed parameters use torch's fused CPU kernel
+    # (one pass over memory; bitwise equal to AdamW(fused=True), which rounds differently in the
+    # last bit from the default for-loop kernel). False: the optimizer's own kernel, bitwise equal
+    # to calling optimizer.step() on a resident model.
+    fused_cpu_optimizer: bool = True
     gradient_accumulation_steps: int = 1
     weight_dtype: str | None = None
     # Units bigger than this many MB (of bytes) are split into their children.
@@ -83,7 +112,6 @@ class OffloadConfig:
     record_timings: bool = True
     # Test-only: sleep a random 0..N ms on the host inside hooks, to shake out races.
     debug_host_delay_ms: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         try:
@@ -99,8 +127,10 @@ class OffloadConfig:
             raise OffloadConfigError("offload_ratio and vram_budget: set one or the other, not both")
         self.vram_budget = parse_bytes(self.vram_budget, key="vram_budget")
         self.max_memory = parse_bytes(self.max_memory, key="max_memory")
-        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
-            raise OffloadConfigError(f"prefetch: must be a whole number >= 0, got {self.prefetch!r}")
+        self.vram_margin = parse_bytes(self.vram_margin, key="vram_margin")
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
+                                          or self.prefetch < 0):
+            raise OffloadConfigError(f"prefetch: must be a whole number >= 0 (or None: grow from free VRAM), got {self.prefetch!r}")
         if isinstance(self.stray_resident_fraction, bool) or not isinstance(self.stray_resident_fraction, (int, float)) \
                 or not 0.0 <= float(self.stray_resident_fraction) <= 1.0:
             raise OffloadConfigError(
@@ -110,6 +140,9 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"gradient_accumulation_steps: must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"
             )
+        for key in ("overlap_optimizer_step", "treat_as_inference"):
+            if getattr(self, key) not in (None, True, False):
+                raise OffloadConfigError(f"{key}: expected true, false or null, got {getattr(self, key)!r}")
         if self.overlap_optimizer_step and not self.enable_optimizer_cpu_offload:
             raise OffloadConfigError("overlap_optimizer_step: needs enable_optimizer_cpu_offload=True")
         if self.num_disk_workers < 1:
@@ -122,9 +155,27 @@ class OffloadConfig:
             )
         if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
             raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
-        if self.lazy_load or self.offload_to_disk:
-            # Refuse rather than quietly stream from RAM: the disk tier is its own piece of work.
-            raise OffloadConfigError("lazy_load: the disk tier is not built yet; stream from host RAM (lazy_load: false)")
+        if self.lazy_load and self.offload_to_disk:
+            raise OffloadConfigError("lazy_load and offload_to_disk: set one (lazy_load reads shards that exist; "
+                                     "offload_to_disk writes them from the model in RAM)")
+        if self.weights is not None and (self.lazy_load or self.offload_to_disk):
+            raise OffloadConfigError("weights: streams from host RAM; with lazy_load the weights come from shard_dir "
+                                     "(shard the checkpoint first: offload-jobs shard SRC DST)")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise OffloadConfigError(f"weights: expected a path, got {type(self.weights).__name__}")
+        if self.weights is not None:
+            self.weights = os.fspath(self.weights)
+        if self.disk_cache_policy not in ("belady", "fifo", "lru"):
+            raise OffloadConfigError(f"disk_cache_policy: unknown value {self.disk_cache_policy!r} (choose belady, fifo or lru)")
+        for key in ("disk_verify",):
+            if not isinstance(getattr(self, key), bool):
+                raise OffloadConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+        if self.disk_direct not in (None, True, False):
+            raise OffloadConfigError(f"disk_direct: expected true, false or null, got {self.disk_direct!r}")
+        if self.disk_stream_slots is not None and (not isinstance(self.disk_stream_slots, int)
+                                                   or isinstance(self.disk_stream_slots, bool)
+                                                   or self.disk_stream_slots < 1):
+            raise OffloadConfigError(f"disk_stream_slots: must be a whole number >= 1, got {self.disk_stream_slots!r}")
 
     @classmethod
     def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":
@@ -139,5 +190,6 @@ class OffloadConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(base) - names)
         if unknown:
-            raise OffloadConfigError(f"{unknown[0]}: unknown offload key (known keys: {', '.join(sorted(names - {'extra'}))})")
+            hint = " (pass the optimizer as an argument: enable_offload(model, optimizer=opt))" if unknown[0] == "extra" else ""
+            raise OffloadConfigError(f"{unknown[0]}: unknown offload key{hint} (known keys: {', '.join(sorted(names))})")
         return cls(**base)

@@ -2,16 +2,22 @@
 
 Life of a streamed unit:
 
-1. Its tensors are packed into a PinnedArena slab and the module keeps 0-element placeholders.
+1. Its tensors are packed into the host store (store.py; a PinnedArena slab) and the module keeps
+   0-element placeholders.
 2. When its anchor module is entered (or autograd needs one of its saved weights back), the slab is
-   copied into a SlotRing slot: one H2D copy on the copy stream, then a ``ready`` event the compute
-   stream waits on. No host synchronization happens per unit.
+   copied into a SlotRing slot (transfer.py): one H2D copy on the copy stream, then a ``ready``
+   event the compute stream waits on. No host synchronization happens per unit.
 3. While the anchor runs, the module's frozen tensors are plain views into the slot (the Parameter
    objects stay registered elsewhere with placeholder data). Autograd and checkpoint recomputes
    that save those views keep the slot's storage alive, so the slot is not reused until they let go.
 4. Without checkpointing, ``saved_tensors_hooks`` replace saved weight views with references, which
    backward re-fetches: weights do not stay on the device between forward and backward.
-5. The schedule learns the order of uses and prefetches the next units into free slots.
+5. The schedule learns the order of uses and prefetches the next units into free slots; after the
+   first cycles the planner (planner.py) sizes the ring from what was measured, and the engine
+   applies its plan.
+6. ``state_dict()`` reads the host masters (masters.py); ``remove()`` gives every tensor its data
+   back. Dropped without ``remove()``, the engine's finalizer waits for its copies, and the host
+   buffers' own finalizers unregister them before their memory goes.
 """
 
 from __future__ import annotations
@@ -19,43 +25,52 @@ from __future__ import annotations
 import random
 import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .arena import PinnedArena, trim_host_heap
+from . import planner, registry
+from .arena import PinnedArena
 from .config import OffloadConfig
-from .errors import DeviceUnavailableError, NotAModuleError
-from .planner import measured_prediction, plan_residency, replan_from_measurements, ring_slots
-from .quant import UnitWidener, eligible, quantize, storage_dtype, widen
+from .device import resolve_device
+from .errors import LossyStorageWarning, NotAModuleError, OffloadConfigError
+from .hostmem import trim_host_heap
+from .masters import Masters
+from .quant import UnitWidener, assign_storage, quantize
+from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
-from .stats import CopyClock, Counters, TimingLog
+from .stats import Counters, TimingLog
+from .store import HostStore
+from .transfer import Transfer
 from .units import Unit, discover_units
+from .weights import meta_tensor_names
 
 __all__ = ["OffloadEngine", "resolve_device"]
 
+def _quiesce(streams: tuple) -> None:
+    """The finalizer of a dropped engine: let its queued copies finish before its buffers are freed."""
+    for s in streams:
+        try:
+            s.synchronize()
+        except Exception:
+            pass
 
-def resolve_device(target: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(target)
-    except (RuntimeError, TypeError):
-        raise DeviceUnavailableError(f"target_device: {target!r} is not a device name") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceUnavailableError(
-                f"target_device: {target!r} asked for, but this machine has no CUDA device "
-                "(use target_device='cpu' to run the same path on the CPU)"
-            )
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise DeviceUnavailableError(f"target_device: {target!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise DeviceUnavailableError(f"target_device: {target!r} is not supported (use 'cuda' or 'cpu')")
-    return dev
+
+def _set_data(ts: Any, value: torch.Tensor) -> None:
+    """Give a streamed tensor its placeholder. A filled store may have left a meta tensor there
+    (a model built on the meta device), whose .data cannot take a tensor of another device: the
+    meta Parameter is replaced by one that can (it had no value anyone could hold on to)."""
+    obj = ts.tensor()
+    if obj.device.type != "meta":
+        obj.data = value
+        return
+    table = ts.module._parameters if ts.is_param else ts.module._buffers
+    table[ts.attr] = nn.Parameter(value, requires_grad=obj.requires_grad) if isinstance(obj, nn.Parameter) else value
 
 
 @dataclass
@@ -73,25 +88,31 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, config: OffloadConfig, *, stream_trainable: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        registry.refuse_if_offloaded(model)
+        if config.weights is None and not config.lazy_load:
+            on_meta = meta_tensor_names(model)
+            if on_meta:
+                raise OffloadConfigError(
+                    f"weights: the model has tensors on the meta device ({', '.join(on_meta)}, ...); give them values: "
+                    "weights=PATH (a checkpoint) or lazy_load=True with shard_dir (its shards)")
         t0 = time.perf_counter()
         self.model = model
         self.config = config
         self.device = resolve_device(config.target_device)
         self.is_cuda = self.device.type == "cuda"
-        self.use_streams = bool(config.use_streams and self.is_cuda)
         self.timing = TimingLog(host=not self.is_cuda) if config.record_timings else None
         self.counters = Counters()
         self._lock = threading.RLock()
         self._tick = 0
         self._root_depth = 0
         self._saved_hooks: Any = None
-        self._cycle_callbacks: list[Callable[[], None]] = []
         self._handles: list[Any] = []
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._cycle_callbacks: list[Callable[[], None]] = []
+        self._placeholders: dict[Any, torch.Tensor] = {}
         self._cycle_start: Any = None
         self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
         self._span_from: tuple[int, Any] | None = None  # (trace position, event) of the last use's start
-        self._replanned = False
+        self._removed = False
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         all_frozen = config.treat_as_inference
@@ -101,58 +122,93 @@ class OffloadEngine:
         self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.plan.units
-        self.prediction = plan_residency(self.units, config)
+        depth = planner.initial_depth(config.prefetch, config.vram_budget)
+        residency = planner.plan_residency(
+            self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
+            offload_ratio=config.offload_ratio, vram_budget=config.vram_budget, depth=depth)
+        for uid in residency.resident:
+            self.units[uid].streamed = False
+        for uid in residency.sticky:
+            self.units[uid].sticky = True
+        self.prediction: dict[str, Any] = dict(residency.info)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
-        store = storage_dtype(config.weight_dtype)
-        if store is not None:
-            for u in self.streamed:
-                for ts in u.tensors:
-                    # weights only: buffers (positional tables, running stats) keep their dtype
-                    if ts.is_param and not ts.trainable and eligible(ts.tensor(), store):
-                        ts.store_dtype = store
-                u.layout()
+        self.lossy = assign_storage(self.streamed, config.weight_dtype)
 
-        # Resident tensors: moved once. Streamed ones: packed, then placeholders.
+        # The host store of the streamed units; it may give meta tensors their values (weights,
+        # lazy_load) and turn units the shards lack resident.
         self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
+        self.store: HostStore = self._make_store()
+        self.streamed = [u for u in self.units if u.streamed]
+
+        # Resident tensors: moved once. Streamed ones: packed (unless the store holds them already),
+        # then placeholders.
         for m, attr, is_param in self.plan.resident:
             self._move_resident(m, attr, is_param)
         for u in self.units:
             if not u.streamed:
                 for t in u.tensors:
                     self._move_resident(t.module, t.attr, t.is_param)
-
-        self.arena = PinnedArena(self.streamed, pin=self.is_cuda and config.cpu_offload)
-        self._pack()
+        if getattr(self.store, "filled", False):
+            for u in self.streamed:
+                for ts in u.tensors:
+                    _set_data(ts, self.placeholder_for(ts))
+        else:
+            self._pack()
         trim_host_heap()
-        self.arena.pin()
+        if hasattr(self.store, "pin"):
+            self.store.pin()
         self._bound: dict[int, list] = {}
         self._depth: dict[int, int] = {}
-        self._writeback: dict[int, Any] = {}
 
         moving = [u for u in self.streamed if not u.sticky]
         slot_bytes = max((u.nbytes for u in moving), default=0)
-        self.ring = SlotRing(slot_bytes, ring_slots(config) if moving else 0, self.device)
+        self.ring = SlotRing(slot_bytes, planner.ring_slots(depth, len(moving)), self.device)
         for u in self.streamed:
             if u.sticky:
                 self.ring.add_sticky(u.uid, u.nbytes)
-        self.schedule = Schedule(config.prefetch)
-        # Units stored in another dtype land in a raw buffer and are widened into their slot;
-        # two raw buffers let the next copy overlap the current widening.
+        self.schedule = Schedule(depth)
+        # Units stored in another dtype land in a raw buffer and are widened into their slot.
         self.widener = UnitWidener(self.streamed, self.device)
-        self._raw_free: list[Any] = [None, None]
-        self._raw_turn = 0
-        if self.use_streams:
-            self.h2d_stream = torch.cuda.Stream(self.device)
-            self.d2h_stream = torch.cuda.Stream(self.device)
-            self.convert_stream = torch.cuda.Stream(self.device) if self.widener.raw else None
-        # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
-        self.copy_clock = None
-        if self.is_cuda and self.timing is not None:
-            self.copy_clock = CopyClock(self.timing, self.h2d_stream if self.use_streams else torch.cuda.current_stream(self.device))
+        self.transfer = Transfer(self.device, use_streams=config.use_streams, timing=self.timing,
+                                 counters=self.counters, widener=self.widener)
+        self.use_streams = self.transfer.use_streams
+        self.replanner = Replanner(self)
         self._install_hooks()
+        self.masters = Masters(self)  # state_dict() and load_state_dict() read and write the host masters
+        self._handles += self.masters.handles
+        registry.note(model, self)
+        self._finalizer = weakref.finalize(self, _quiesce, self.transfer.streams)
+        self._finalizer.atexit = False
         self.setup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ setup
+    def _make_store(self) -> HostStore:
+        """The host store of the streamed units (setup only; the hot path sees the HostStore calls).
+
+        - lazy_load / offload_to_disk: a DiskStore over the shards in shard_dir (disk/integrate.py)
+        - weights: a PinnedArena filled straight from the checkpoint (weights.py), the resident
+          tensors read onto the device
+        - otherwise a PinnedArena the model's tensors are packed into
+        """
+        cfg = self.config
+        pin = self.is_cuda and cfg.cpu_offload
+        if cfg.lazy_load or cfg.offload_to_disk:
+            from .disk.integrate import open_disk_store
+
+            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin)
+        arena = PinnedArena(self.streamed, pin=pin)
+        if cfg.weights is not None:
+            from .weights import fill_from_checkpoint
+
+            try:
+                placed = fill_from_checkpoint(self.model, self.streamed, arena, cfg.weights, self.device)
+            except BaseException:
+                arena.close()
+                raise
+            # Read onto the device from the files; remove() leaves them on the host, as from_pretrained would.
+            self._resident_moved += [(m, attr, is_param, torch.device("cpu")) for m, attr, is_param in placed]
+        return arena
+
     def _move_resident(self, m: nn.Module, attr: str, is_param: bool) -> None:
         t = (m._parameters if is_param else m._buffers)[attr]
         if t is None or t.device == self.device:
@@ -160,24 +216,17 @@ class OffloadEngine:
         self._resident_moved.append((m, attr, is_param, t.device))
         t.data = t.data.to(self.device)
 
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        ph = self._placeholders.get(dtype)
+    def placeholder_for(self, ts: Any) -> torch.Tensor:
+        """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
+
+        AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
+        parameter keeps its shape between uses: one element, expanded.
+        """
+        key = (ts.dtype, 1) if ts.trainable else ts.dtype
+        ph = self._placeholders.get(key)
         if ph is None:
-            ph = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
-        return ph
-
-    def _trainable_placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        # AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
-        # parameter keeps its shape between uses: one element, expanded (stride 0).
-        one = self._placeholders.get((dtype, 1))
-        if one is None:
-            one = self._placeholders[(dtype, 1)] = torch.zeros(1, dtype=dtype, device=self.device)
-        return one.expand(shape)
-
-    def placeholder_for(self, ts: Any, obj: torch.Tensor) -> torch.Tensor:
-        if ts.trainable:
-            return self._trainable_placeholder(ts.dtype, ts.shape)
-        return self._placeholder(ts.dtype)
+            ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.device)
+        return ph.expand(ts.shape) if ts.trainable else ph
 
     def _pack(self) -> None:
         for u in self.streamed:
@@ -185,10 +234,10 @@ class OffloadEngine:
                 obj = ts.tensor()
                 with torch.no_grad():
                     if ts.store_dtype is not None:
-                        _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.arena.view(u, i))
+                        _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
                     else:
-                        self.arena.view(u, i).copy_(obj.data)
-                obj.data = self.placeholder_for(ts, obj)
+                        self.store.view(u, i).copy_(obj.data)
+                _set_data(ts, self.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
         anchors: dict[int, tuple[nn.Module, list[Unit]]] = {}
@@ -201,6 +250,28 @@ class OffloadEngine:
             self._handles.append(module.register_forward_hook(self._make_post(units), always_call=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
 
+    # ------------------------------------------------------------------ seams for optimizer offload and state_dict
+    def add_cycle_callback(self, cb: Callable[[], None]) -> None:
+        """``cb()`` runs when the root module's forward begins (a training step's start)."""
+        self._cycle_callbacks.append(cb)
+
+    def remove_cycle_callback(self, cb: Callable[[], None]) -> None:
+        if cb in self._cycle_callbacks:
+            self._cycle_callbacks.remove(cb)
+
+    def in_use(self, uid: int) -> bool:
+        """Whether the unit's tensors are bound (its module is running)."""
+        return uid in self._bound
+
+    def invalidate(self, uid: int) -> None:
+        """Forget the device copy of a unit whose host master changed: its next use loads it again.
+
+        A slot something still references (a retained graph) is not reused meanwhile (it is not
+        free), but it no longer counts as holding the unit, so the stale bytes are never bound.
+        """
+        if uid not in self._bound:
+            self.ring.forget(uid)
+
     # ------------------------------------------------------------------ root hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         self._root_depth += 1
@@ -209,24 +280,24 @@ class OffloadEngine:
         if self.timing is not None:
             # Each pair owns its two events: the pool recycles events once a pair is resolved.
             if self._cycle_start is not None:
-                self.timing.add("cycle", -1, self._cycle_start, self._mark())
-            self._cycle_start = self._mark()
+                self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark())
+            self._cycle_start = self.transfer.mark()
         with self._lock:
             self.counters.steps += 1
+            relearned = self.schedule.relearned
+            had_trace = self.schedule.learned
             self.schedule.start_cycle()
+            if self.schedule.learned and (not had_trace or self.schedule.relearned != relearned):
+                self.store.plan(list(self.schedule.trace))
             for cb in self._cycle_callbacks:
                 cb()
-            if (self.config.vram_budget is not None and not self._replanned and self.timing is not None
-                    and self.schedule.cycles >= 3 and self.schedule.learned):
-                self._replanned = True
-                if self.replan() is not None:
-                    self._prefetch(-1)  # units the new plan no longer keeps: fetch the first ones now
+            self.replanner.at_cycle_start()  # may raise VramBudgetError; _root_post still runs
         if torch.is_grad_enabled() and self.streamed:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             self._saved_hooks.__enter__()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._root_depth -= 1
+        self._root_depth = max(self._root_depth - 1, 0)
         if self._root_depth == 0 and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -271,7 +342,7 @@ class OffloadEngine:
                 bound.append((ts, orig, view, None if view.is_inference() else view._version))
         self._bound[u.uid] = bound
         if self.timing is not None:
-            self._compute_start[u.uid] = self._mark()
+            self._compute_start[u.uid] = self.transfer.mark()
 
     def _unbind(self, u: Unit) -> None:
         bound = self._bound.pop(u.uid, None)
@@ -282,7 +353,7 @@ class OffloadEngine:
         for ts, orig, view, version in bound:
             table = ts.module._parameters if ts.is_param else ts.module._buffers
             if view is None:
-                orig.data = self._trainable_placeholder(ts.dtype, ts.shape)
+                orig.data = self.placeholder_for(ts)
             else:
                 table[ts.attr] = orig
                 if not ts.is_param:
@@ -290,33 +361,10 @@ class OffloadEngine:
                     if changed:
                         dirty.append((ts, view))
         if dirty:
-            self._write_back(u, dirty)
+            with self._lock:
+                self.transfer.write_back(u, dirty, self.store.master(u.uid), self.ring.lookup(u.uid))
         if self.timing is not None and u.uid in self._compute_start:
-            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), self._mark())
-
-    def _write_back(self, u: Unit, dirty: list) -> None:
-        """Copy in-place-updated buffers (running stats, counters) back to the host master."""
-        slab = self.arena.slab(u.uid)
-        with self._lock:
-            if self.use_streams:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-                self.d2h_stream.wait_event(ev)
-                with torch.cuda.stream(self.d2h_stream):
-                    for ts, view in dirty:
-                        slab[ts.store_offset: ts.store_offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8), non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self.d2h_stream)
-                self._writeback[u.uid] = done
-                slot = self.ring.lookup(u.uid)
-                if slot is not None:
-                    slot.done.append(done)
-            else:
-                for ts, view in dirty:
-                    slab[ts.store_offset: ts.store_offset + ts.nbytes].copy_(view.reshape(-1).view(torch.uint8))
-            for ts, _ in dirty:
-                self.counters.d2h_bytes += ts.nbytes
-                self.counters.d2h_count += 1
+            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), self.transfer.mark())
 
     # ------------------------------------------------------------------ autograd saved tensors
     def _pack_saved(self, t: torch.Tensor) -> Any:
@@ -339,14 +387,9 @@ class OffloadEngine:
         if self.config.debug_host_delay_ms > 0:
             time.sleep(random.random() * self.config.debug_host_delay_ms / 1000.0)
 
-    def _mark(self, stream: Any = None) -> Any:
-        """A timing event recorded now on ``stream`` (default: the compute stream)."""
-        ev = self.timing.event()
-        if self.is_cuda:
-            ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
-        else:
-            ev.record()
-        return ev
+    def _keep(self, current: int) -> set[int]:
+        """Units no load may evict: the one in use and the next ``depth + 1`` the trace expects."""
+        return set(self.schedule.upcoming(self.schedule.depth + 1)) | {current}
 
     def use(self, u: Unit, backward: bool = False) -> Slot:
         """Make u's bytes available to the compute stream and return its slot."""
@@ -355,11 +398,10 @@ class OffloadEngine:
             self._tick += 1
             new_use = self.schedule.observe_new(u.uid)
             timed = self.timing is not None and new_use
-            arrive = (self._mark(), self._mark()) if timed else None
+            arrive = (self.transfer.mark(), self.transfer.mark()) if timed else None
             slot = self.ring.lookup(u.uid)
             if slot is None:
-                keep = set(self.schedule.upcoming(self.config.prefetch + 1)) | {u.uid}
-                slot = self._load(u, keep, urgent=True)
+                slot = self._load(u, self._keep(u.uid), urgent=True)
                 self.counters.cache_misses += 1
                 if backward:
                     self.counters.refetches += 1
@@ -369,24 +411,23 @@ class OffloadEngine:
                 self.counters.cache_hits += 1
             slot.last_use = self._tick
             if self.use_streams and slot.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(slot.ready)
+                self.transfer.compute_stream().wait_event(slot.ready)
             if timed:
                 # stall: waiting for this unit's bytes; span: busy from the last use's start to here.
                 # Every pair owns its events (the log recycles an event once its pair resolves).
-                self.timing.add("stall", u.uid, arrive[0], self._mark())
+                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark(), cycle=self.schedule.cycles)
                 if self._span_from is not None:
                     pos, ev = self._span_from
                     self.timing.add("span", ("pos", pos), ev, arrive[1])
-                self._span_from = (self.schedule.position, self._mark())
+                self._span_from = (self.schedule.position, self.transfer.mark())
             self._prefetch(u.uid)
             return slot
 
     def _prefetch(self, current: int) -> None:
-        if self.config.prefetch <= 0 or not self.schedule.learned:
+        if self.schedule.depth <= 0 or not self.schedule.learned:
             return
-        upcoming = self.schedule.upcoming()
-        keep = set(self.schedule.upcoming(self.config.prefetch + 1)) | {current}
-        for uid in upcoming:
+        keep = self._keep(current)
+        for uid in self.schedule.upcoming():
             u = self.units[uid]
             if not u.streamed or self.ring.lookup(uid) is not None:
                 continue
@@ -395,94 +436,49 @@ class OffloadEngine:
             self.counters.prefetch_issued += 1
 
     def _load(self, u: Unit, keep: set[int], urgent: bool) -> Slot | None:
+        # The slot first: a store counts every acquire as a use (and a disk store reads for it).
         slot = self.ring.sticky.get(u.uid)
         if slot is None:
             slot = self.ring.pick_victim(keep)
+        if slot is None and not urgent:
+            return None
+        src = self.store.acquire(u.uid, block=urgent)
+        if src is None:
+            return None  # a store still fetching the bytes: prefetch it later
         if slot is None:
-            if not urgent:
-                return None
             slot = self.ring.grow()
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1
-        src = self.arena.slab(u.uid)
-        if self.use_streams:
-            h2d = self.h2d_stream
-            freed = torch.cuda.Event()
-            freed.record(torch.cuda.current_stream(self.device))
-            # Whatever overwrites the slot waits for the kernels queued against its old owner.
-            writer = self.convert_stream if u.converted else h2d
-            writer.wait_event(freed)
-            for ev in slot.done:
-                writer.wait_event(ev)
-            slot.done = []
-            wb = self._writeback.pop(u.uid, None)
-            if wb is not None:
-                h2d.wait_event(wb)
-            if u.converted:
-                b = self._raw_turn
-                self._raw_turn ^= 1
-                if self._raw_free[b] is not None:
-                    h2d.wait_event(self._raw_free[b])
-                dst = self.widener.raw[b][: u.store_nbytes]
-            else:
-                dst = slot.buf[: u.nbytes]
-            with torch.cuda.stream(h2d):
-                clock = self.copy_clock
-                a = clock.start(h2d) if clock is not None else None
-                dst.copy_(src, non_blocking=True)
-                if a is not None:
-                    clock.submitted()
-                    self.timing.add("h2d", u.uid, a, self._mark(h2d))
-                ready = torch.cuda.Event()
-                ready.record(h2d)
-            if u.converted:
-                conv = self.convert_stream
-                conv.wait_event(ready)
-                with torch.cuda.stream(conv):
-                    self.widener.widen(u, b, slot.buf)
-                    ready = torch.cuda.Event()
-                    ready.record(conv)
-                self._raw_free[b] = ready
-            slot.ready = ready
-        else:
-            # Serial on purpose (streams off): the host waits for each copy before going on.
-            clock = self.copy_clock
-            stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
-            if clock is not None:
-                a = clock.start(stream)
-            else:
-                a = self._mark() if self.timing is not None else None
-            dst = self.widener.raw[0][: u.store_nbytes] if u.converted else slot.buf[: u.nbytes]
-            dst.copy_(src, non_blocking=stream is not None)
-            if clock is not None:
-                clock.submitted()
-            if a is not None:
-                self.timing.add("h2d", u.uid, a, self._mark())
-            if stream is not None:
-                stream.synchronize()
-            if u.converted:
-                self.widener.widen(u, 0, slot.buf)
-            slot.ready = None
-        self.counters.h2d_bytes += u.store_nbytes
-        self.counters.h2d_count += 1
+        self.store.release(u.uid, self.transfer.load(u, slot, src))
         return slot
 
-    # ------------------------------------------------------------------ planning from measurements
+    # ------------------------------------------------------------------ planning (replan.py)
     def predict(self) -> float | None:
         """The planner's simulated cycle for the plan in force, from measured times (ms)."""
-        return measured_prediction(self)
+        return self.replanner.predict()
 
-    def replan(self) -> dict | None:
-        """vram_budget: choose sticky units and extra ring slots from the measured cycle."""
-        return replan_from_measurements(self)
+    def refill(self) -> None:
+        """Prefetch along the trace now (after a new plan freed or added slots)."""
+        with self._lock:
+            self._prefetch(-1)
+
+    def bound_uids(self) -> set[int]:
+        return set(self._bound)
+
+    def resident_device_bytes(self) -> int:
+        """Device bytes of the tensors this engine moved there for good (residents, strays, staging)."""
+        return self.widener.staging_bytes + sum(
+            (m._parameters if p else m._buffers)[a].nbytes for m, a, p, _ in self._resident_moved
+            if (m._parameters if p else m._buffers).get(a) is not None)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        self.transfer.synchronize()
 
     def remove(self) -> None:
         """Take the hooks off and give every tensor its full data back on the host."""
+        if self._removed:
+            return
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -490,15 +486,23 @@ class OffloadEngine:
         for uid in list(self._bound):
             self._unbind(self.units[uid])
         self.synchronize()
+        self.masters.flush()
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):
-                stored = self.arena.view(u, i)
-                # fp8-stored weights come back widened: the rounding is not undone.
-                ts.tensor().data = stored.clone() if ts.store_dtype is None else widen(stored, ts.scale, ts.dtype)
+                value = self.masters.value(u, i)
+                ts.tensor().data = value.clone() if ts.store_dtype is None else value
         for m, attr, is_param, dev in self._resident_moved:
             t = (m._parameters if is_param else m._buffers)[attr]
             if t is not None:
                 t.data = t.data.to(dev)
         self._resident_moved.clear()
         self.ring.clear()
-        self.arena.release()
+        self.store.close()
+        registry.forget(self.model)
+        self._removed = True
+        if self.lossy:
+            dtype = self.config.weight_dtype
+            warnings.warn(
+                f"weight_dtype={dtype}: remove() leaves the model holding its weights as stored, rounded to "
+                f"{dtype} and widened back to their dtype; reload the checkpoint for the original values",
+                LossyStorageWarning, stacklevel=3)

@@ -1,11 +1,18 @@
-"""Errors a user of the engine can cause.
+"""Errors a user of the engine can cause, and the one warning it gives.
 
     OffloadError
-    ├── OffloadConfigError      a bad config key or value (unknown granularity, bad budget)
-    ├── NotAModuleError         enable_offload / the manager was given something else
-    ├── DeviceUnavailableError  target_device names a device this machine lacks
-    ├── OptimizerMismatchError  optimizer offload with a trainable parameter the optimizer lacks
-    └── ShardError              a missing, corrupt or mismatched shard directory
+    ├── OffloadConfigError        a bad config key or value (unknown granularity, bad budget)
+    │   └── VramBudgetError       vram_budget cannot hold what the model needs (ring, residents, activations)
+    ├── NotAModuleError           enable_offload / the manager was given something else
+    ├── AlreadyOffloadedError     enable_offload on a module (or part of one) that is offloaded already
+    ├── DeviceUnavailableError    target_device names a device this machine lacks
+    ├── OptimizerMismatchError    optimizer offload with a trainable parameter the optimizer lacks
+    ├── OptimizerOverlapError     gradients changed after a step that already ran during backward
+    ├── CheckpointMismatchError   weights=: the checkpoint lacks a parameter of the model, or has another shape
+    └── ShardError                a missing, corrupt or mismatched shard directory (or checkpoint file)
+
+    LossyStorageWarning (a UserWarning)  remove() after a lossy weight_dtype: the model keeps the
+                                         rounded weights
 
 Bugs inside the engine still raise ordinary exceptions.
 """
@@ -15,9 +22,13 @@ from __future__ import annotations
 __all__ = [
     "OffloadError",
     "OffloadConfigError",
+    "VramBudgetError",
     "NotAModuleError",
+    "AlreadyOffloadedError",
     "DeviceUnavailableError",
     "OptimizerMismatchError",
+    "OptimizerOverlapError",
+    "CheckpointMismatchError",
     "ShardError",
 ]
 
@@ -30,8 +41,16 @@ class OffloadConfigError(OffloadError, ValueError):
     """A config key or value is wrong; the message names the key."""
 
 
+class VramBudgetError(OffloadConfigError):
+    """vram_budget is too small for the ring, the resident tensors and the measured activations."""
+
+
 class NotAModuleError(OffloadError, TypeError):
     """The object handed to the engine is not a torch.nn.Module."""
+
+
+class AlreadyOffloadedError(OffloadError, RuntimeError):
+    """enable_offload was called on a module that is already offloaded; remove() the first engine."""
 
 
 class DeviceUnavailableError(OffloadError, RuntimeError):
@@ -42,5 +61,17 @@ class OptimizerMismatchError(OffloadError, ValueError):
     """Optimizer offload was asked for, but a trainable parameter is not in the optimizer."""
 
 
+class OptimizerOverlapError(OffloadError, RuntimeError):
+    """A gradient was changed (clipped, unscaled) or added after its step already ran during backward."""
+
+
+class CheckpointMismatchError(OffloadError, ValueError):
+    """The checkpoint given as ``weights`` does not fit the model: a parameter it lacks, another shape."""
+
+
 class ShardError(OffloadError, OSError):
     """A shard directory or file is missing, corrupt or does not match the model."""
+
+
+class LossyStorageWarning(UserWarning):
+    """remove() after weight_dtype rounded the weights: the model holds the rounded values."""

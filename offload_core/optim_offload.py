@@ -1,43 +1,59 @@
 """Optimizer offload: host masters and host gradients for streamed trainable parameters.
 
-Each trainable parameter is streamed like a frozen one. Its fp32 master lives on the host (the arena
+Each trainable parameter is streamed like a frozen one. Its fp32 master lives on the host (the store
 slab itself when the parameter is fp32). Once autograd has accumulated a gradient on the device, a
-hook copies it to pinned staging on the D2H stream and frees the device copy; a worker thread waits
-for the copy and adds it into the host accumulator, so several backward passes add up (gradient
-accumulation). ``after_backward`` points ``.data`` and ``.grad`` at the host tensors, so an ordinary
-torch optimizer steps on the CPU.
+hook copies it to pinned staging (the transfer's D2H primitive) and frees the device copy; a worker
+thread waits for the copy and adds it into the host accumulator, so several backward passes add up
+(gradient accumulation). ``after_backward`` points ``.data`` and ``.grad`` at the host tensors, so an
+ordinary torch optimizer steps on the CPU.
 
-With ``overlap_optimizer_step`` the worker also steps each parameter as soon as its last
-micro-batch gradient lands, while backward goes on, through a one-parameter twin of the user's
-optimizer that shares its state dict; ``optimizer.step()`` then only waits for the worker.
+The optimizer is found at its first ``step()`` (a global step pre-hook: the optimizer that holds
+these parameters), or passed in. From then on the streamed parameters are stepped here, a unit's
+parameters at a time (cpu_step.py: a twin of that optimizer sharing its state, so
+``optimizer.state`` stays the one to save), and hidden from the optimizer's own step:
+
+- **fused** (``fused_cpu_optimizer``, default): Adam and AdamW use torch's fused CPU kernel, one pass
+  over memory instead of one per operation. The result is bitwise that of ``AdamW(fused=True)``; it
+  differs from the default for-loop kernel in the last bit (a relative 1e-7 per step). Other
+  optimizers, and ``fused_cpu_optimizer=False``, use the optimizer's own kernel: bitwise what its
+  ``step()`` would have done.
+- **overlapped** (``overlap_optimizer_step``, default auto): from the second step on, each parameter
+  is stepped on the worker as soon as its unit's last gradients of the step land, while backward goes on;
+  ``optimizer.step()`` then only waits for the worker. The first step shows how many backward passes
+  a step accumulates and whether anything changes the gradients between ``after_backward()`` and
+  ``step()``: clipping (``clip_grad_norm_``) or unscaling does, and then every step stays inside
+  ``step()``, on the clipped gradients. A change noticed later, after a step already ran, raises
+  ``OptimizerOverlapError`` rather than go unapplied; so does a gradient arriving after its
+  parameter's step. LR schedulers need nothing: each step reads the group's values as it runs.
 """
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
-from .arena import pinned_empty, unregister
-from .engine import OffloadEngine
+from .cpu_step import TWINS, CpuStepper
+from .errors import OptimizerOverlapError
+from .hostmem import HostBuffer
 
 __all__ = ["OptimizerOffload"]
 
 
 class _Trainable:
-    __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "has_grad", "stepped",
-                 "micro", "hook", "twin", "twin_param", "group", "direct")
+    __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "grad_in", "issued", "landed",
+                 "stepped", "hook", "opt", "group", "bucket", "twin_param", "direct", "separate", "given", "version")
 
     def __init__(self, **kw: Any) -> None:
-        self.has_grad = False
+        self.grad_in: str | None = None  # where this step's gradient is: None, "staging" or "acc"
+        self.issued = self.landed = 0  # gradients copied out / landed since the last step
         self.stepped = False
-        self.micro = 0
-        self.twin = self.twin_param = self.group = None
-        self.direct = False  # the gradient is used from the staging buffer, with no accumulator copy
+        self.opt = self.group = self.bucket = self.twin_param = self.given = None
+        self.version = 0
+        self.direct = False  # the gradient may stay in its staging buffer (fp32, one per step)
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -68,6 +84,7 @@ class _Worker:
             except BaseException as exc:  # surfaced on the caller's thread by wait()
                 self._error = exc
             finally:
+                fn = None  # the last job must not keep its manager (and engine) alive
                 with self._cv:
                     self._outstanding -= 1
                     self._cv.notify_all()
@@ -83,129 +100,205 @@ class _Worker:
         self._q.put(None)
         self._thread.join(timeout=5)
 
+    def stop(self) -> None:
+        """Let the thread end (a dropped manager's finalizer: no join, it may run on any thread)."""
+        self._q.put(None)
+
+
+# Every live OptimizerOffload sees every optimizer step of the process (two global hooks, installed
+# while there is one).
+_LIVE: "weakref.WeakSet[OptimizerOffload]" = weakref.WeakSet()
+_GLOBAL: list[Any] = []
+
+
+def _pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if opt not in TWINS:
+        for inst in list(_LIVE):
+            inst._before_step(opt)
+
+
+def _post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if opt not in TWINS:
+        for inst in list(_LIVE):
+            inst._after_step(opt)
+
 
 class OptimizerOffload:
-    def __init__(self, engine: OffloadEngine, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         cfg = engine.config
         self.engine = engine
-        self.optimizer = optimizer
-        self.overlap = bool(cfg.overlap_optimizer_step)
-        if self.overlap and optimizer is None:
-            from .errors import OffloadConfigError
-
-            raise OffloadConfigError("overlap_optimizer_step: pass the optimizer to the manager (optimizer=...)")
-        self.accumulation = cfg.gradient_accumulation_steps
+        self.overlap_setting = cfg.overlap_optimizer_step
+        self.fused = bool(cfg.fused_cpu_optimizer)
+        self.target = cfg.gradient_accumulation_steps  # gradients per step; learned at the first step unless set
+        self._target_set = cfg.gradient_accumulation_steps > 1
+        self.overlap = False
+        self.overlap_note = "not yet: the first step shows the optimizer and what happens to the gradients"
+        self.steps = self.overlapped_steps = 0
         names = {id(p): n for n, p in engine.model.named_parameters(remove_duplicate=False)}
         self.items: list[_Trainable] = []
         for u in engine.streamed:
             for i, ts in enumerate(u.tensors):
                 if ts.is_param and ts.tensor().requires_grad:
-                    self.items.append(_Trainable(param=ts.tensor(), unit=u, index=i, name=names.get(id(ts.tensor()), ts.attr)))
+                    self.items.append(_Trainable(param=ts.tensor(), unit=u, index=i,
+                                                 name=names.get(id(ts.tensor()), ts.attr)))
+        self.stepper = CpuStepper(self.items, fused=self.fused)
         total = sum(it.unit.tensors[it.index].nbytes for it in self.items)
-        self._staging_buf, self._pinned = pinned_empty(total, pin=engine.is_cuda)
-        groups = {}
-        if optimizer is not None:
-            groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self._staging = HostBuffer(total, pin=engine.is_cuda)
         off = 0
         for it in self.items:
             ts = it.unit.tensors[it.index]
-            arena_view = engine.arena.view(it.unit, it.index)
-            it.master = arena_view if ts.dtype == torch.float32 else arena_view.float()
-            it.staging = self._staging_buf[off: off + ts.nbytes].view(ts.dtype).view(ts.shape)
+            engine.store.master(it.unit.uid)  # kept by the store: the view below is its slab, not a copy
+            view = engine.store.view(it.unit, it.index)
+            it.separate = ts.dtype != torch.float32  # the master is an fp32 copy, not the store's slab
+            it.master = view.float() if it.separate else view
+            it.staging = self._staging.tensor[off: off + ts.nbytes].view(ts.dtype).view(ts.shape)
             off += ts.nbytes
             it.acc = torch.empty(ts.shape, dtype=torch.float32)
-            # Overlapped fp32 steps with no accumulation read the landed gradient where it landed:
-            # one host copy of every gradient fewer (the step is CPU-bound).
-            it.direct = self.overlap and self.accumulation == 1 and ts.dtype == torch.float32
-            it.group = groups.get(id(it.param))
             it.hook = it.param.register_post_accumulate_grad_hook(self._make_grad_hook(it))
         self.worker = _Worker()
+        self._finalizer = weakref.finalize(self, self.worker.stop)  # dropped without remove(): end the thread
         self._on_host = False
-        self._orig_step = None
-        if self.overlap:
-            self._install_step_wrapper()
-        engine._cycle_callbacks.append(self._take_back)
+        self._hidden: list[tuple[_Trainable, Any]] = []
+        if optimizer is not None:
+            self.stepper.adopt(optimizer)
+            if self.overlap_setting:
+                self._start_overlap("overlap_optimizer_step=True with the optimizer passed in")
+        _LIVE.add(self)
+        if not _GLOBAL:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            _GLOBAL.extend([register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)])
+        engine.add_cycle_callback(self._take_back)
+        engine.masters.add_hooks(self._flush, self._written)
+
+    def _start_overlap(self, why: str) -> None:
+        self.overlap = True
+        self.overlap_note = why
+        for it in self.items:
+            # fp32 with one gradient per step: the step reads the gradient where it landed
+            it.direct = self.target == 1 and not it.separate
 
     # ------------------------------------------------------------------ gradients
-    def _make_grad_hook(self, it: _Trainable):
-        engine = self.engine
+    def _make_grad_hook(self, it: _Trainable) -> Callable:
+        # Only a weak reference: the hook lives in the parameter, where torch's C++ side holds it and
+        # the garbage collector cannot see that cycle; a strong one would keep a dropped manager, its
+        # engine and its host memory alive for good.
+        me = weakref.ref(self)
+        key = id(it.param)
 
         def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if g is None:
-                return
-            done = None
-            if engine.use_streams:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(engine.device))
-                engine.d2h_stream.wait_event(ev)
-                with torch.cuda.stream(engine.d2h_stream):
-                    it.staging.copy_(g, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(engine.d2h_stream)
-                g.record_stream(engine.d2h_stream)
-            else:
-                it.staging.copy_(g)
-            p.grad = None
-            engine.counters.d2h_bytes += g.numel() * g.element_size()
-            engine.counters.d2h_count += 1
-            self.worker.submit(lambda: self._land(it, done))
+            self = me()
+            if self is not None:
+                self._grad_ready(self.stepper.by_id[key], p)
 
         return hook
+
+    def _grad_ready(self, it: _Trainable, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if it.issued:
+            self.worker.wait()  # the previous gradient has landed before its staging is reused
+            if it.stepped:
+                raise OptimizerOverlapError(
+                    f"{it.name}: a gradient arrived after its optimizer step had already run during backward "
+                    f"(more backward passes per step than the {self.target} the first step showed); pass "
+                    "gradient_accumulation_steps=N, or overlap_optimizer_step=False")
+            if it.grad_in == "staging":
+                it.acc.copy_(it.staging)
+                it.grad_in = "acc"
+        done = self.engine.transfer.d2h(it.staging, g)
+        p.grad = None
+        it.issued += 1
+        self.worker.submit(lambda: self._land(it, done))
 
     def _land(self, it: _Trainable, done: Any) -> None:
         if done is not None:
             done.synchronize()
-        if it.direct:
-            it.has_grad = True
-            it.micro += 1
-            self._step_one(it)
-            return
-        if it.has_grad:
+        if it.grad_in is None:
+            if it.direct and it.issued == 1:
+                it.grad_in = "staging"
+            else:
+                it.acc.copy_(it.staging)
+                it.grad_in = "acc"
+        else:
             it.acc.add_(it.staging)
-        else:
-            it.acc.copy_(it.staging)
-            it.has_grad = True
-        it.micro += 1
-        if self.overlap and it.micro % self.accumulation == 0:
-            self._step_one(it)
-
-    # ------------------------------------------------------------------ overlapped step
-    def _step_one(self, it: _Trainable) -> None:
-        opt = self.optimizer
-        hp = {k: v for k, v in it.group.items() if k != "params"}
-        if it.twin is None:
-            it.twin_param = nn.Parameter(it.master, requires_grad=True)
-            it.twin = type(opt)([dict(hp, params=[it.twin_param])])
-            it.twin.state[it.twin_param] = opt.state[it.param]  # one state, seen by both
-        else:
-            it.twin.param_groups[0].update(hp)
-        it.twin_param.grad = it.staging if it.direct else it.acc
-        it.twin.step()
-        it.twin_param.grad = None
-        it.stepped = True
-
-    def _install_step_wrapper(self) -> None:
-        opt = self.optimizer
-        orig = opt.step
-        self._orig_step = orig
-
-        @functools.wraps(orig)  # keeps the LR scheduler's marker on step
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self.worker.wait()
-            # Parameters the worker already stepped must not be stepped twice.
-            hidden = [(it.param, it.param.grad) for it in self.items if it.stepped]
-            for p, _ in hidden:
-                p.grad = None
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                for p, g in hidden:
-                    p.grad = g
-
-        opt.step = step
+        it.landed += 1
+        b = it.bucket
+        if (self.overlap and b is not None and it.landed == self.target
+                and all(x.landed == self.target and not x.stepped for x in b.items) and self.stepper.twin(b) is not None):
+            self.stepper.step(b, {id(x): x.staging if x.grad_in == "staging" else x.acc for x in b.items})
 
     # ------------------------------------------------------------------ step boundaries
+    def after_backward(self) -> None:
+        self.worker.wait()
+        for it in self.items:
+            it.param.data = it.master
+            g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
+            it.param.grad = g
+            it.given, it.version = g, (g._version if g is not None else 0)
+        self._on_host = True
+
+    def _changed(self, it: _Trainable) -> bool:
+        g = it.param.grad
+        return g is not it.given or (g is not None and g._version != it.version)
+
+    def _before_step(self, opt: torch.optim.Optimizer) -> None:
+        if not self.stepper.adopt(opt):
+            return
+        self.worker.wait()
+        if not self._on_host and any(it.grad_in is not None for it in self.items):
+            self.after_backward()  # after_backward() was forgotten: the step still sees the gradients
+        mine = [it for it in self.items if it.opt is opt]
+        changed = [it.name for it in mine if self._changed(it)]
+        self.overlapped_steps += int(self.overlap)
+        if self.steps == 0 and not self._target_set:
+            self.target = max([it.issued for it in mine] + [1])
+        for it in mine:
+            if it.stepped and it.name in changed:
+                raise OptimizerOverlapError(
+                    f"{it.name}: its gradient was changed between after_backward() and optimizer.step() "
+                    "(clip_grad_norm_, unscaling?) after its step had already run during backward; pass "
+                    "overlap_optimizer_step=False to the manager to clip before every step")
+        for b in {id(it.bucket): it.bucket for it in mine}.values():
+            if self.stepper.twin(b) is None:
+                continue  # the optimizer's own step() steps these masters
+            self.stepper.step(b, {id(it): it.param.grad for it in b.items if not it.stepped and it.param.grad is not None})
+            for it in b.items:
+                if it.stepped:
+                    self._hide(it)
+        if changed:
+            if self.overlap_setting:
+                raise OptimizerOverlapError(
+                    f"overlap_optimizer_step=True, but the gradients were changed between after_backward() and "
+                    f"optimizer.step() ({changed[0]}; clip_grad_norm_?), which a step during backward cannot see; "
+                    "leave overlap_optimizer_step unset (it then steps inside step(), after the change)")
+            if self.overlap or self.overlap_setting is None:
+                self.overlap = False
+                self.overlap_note = f"off: the gradients change between after_backward() and step() ({changed[0]})"
+                self.overlap_setting = False
+        elif not self.overlap and self.overlap_setting is not False and all(self.stepper.twin(it.bucket) for it in mine):
+            self._start_overlap(f"on from step {self.steps + 2}: {self.target} gradient(s) per step, none changed "
+                                "before step()")
+        self.steps += 1
+
+    def _hide(self, it: _Trainable) -> None:
+        # the optimizer's own step skips what was stepped here; the user still sees the gradient after it
+        self._hidden.append((it, it.param.grad))
+        it.param.grad = None
+
+    def _after_step(self, opt: torch.optim.Optimizer) -> None:
+        if not any(it.opt is opt for it in self.items):
+            return
+        for it, g in self._hidden:
+            it.param.grad = g
+        self._hidden.clear()
+        for it in self.items:
+            if it.opt is opt:
+                it.issued = it.landed = 0
+                it.stepped = False
+                it.grad_in = None if it.param.grad is None else it.grad_in
+
     def _take_back(self) -> None:
         """At the start of a forward: collect what the optimizer did, and stream the params again."""
         self.worker.wait()
@@ -214,52 +307,64 @@ class OptimizerOffload:
         for it in self.items:
             p = it.param
             g = p.grad
-            if it.stepped or g is None:
-                it.has_grad = False
+            if g is None:
+                it.grad_in = None
             elif g is not it.acc:
-                it.acc.copy_(g)
-                it.has_grad = True
-            it.stepped = False
+                it.acc.copy_(g)  # a gradient kept across the step (no zero_grad) goes on accumulating
+                it.grad_in = "acc"
             p.grad = None
-            if it.master is not self.engine.arena.view(it.unit, it.index):
-                self.engine.arena.view(it.unit, it.index).copy_(it.master)
-            ts = it.unit.tensors[it.index]
-            p.data = self.engine._trainable_placeholder(ts.dtype, ts.shape)
+            if it.separate:
+                self.engine.store.view(it.unit, it.index).copy_(it.master)
+            p.data = self.engine.placeholder_for(it.unit.tensors[it.index])
         # The host masters changed: cached device copies of these units are stale.
         for u in {id(it.unit): it.unit for it in self.items}.values():
-            slot = self.engine.ring.lookup(u.uid)
-            if slot is not None and slot.is_free():
-                self.engine.ring.by_owner.pop(u.uid, None)
-                slot.owner = None
+            self.engine.invalidate(u.uid)
+        self.stepper.regroup()
         self._on_host = False
 
-    def after_backward(self) -> None:
+    def _flush(self) -> None:
+        """Before the masters are read (state_dict): the optimizer's updates are in the store."""
         self.worker.wait()
         for it in self.items:
-            it.param.data = it.master
-            it.param.grad = (it.staging if it.direct else it.acc) if (it.has_grad or it.stepped) else None
-        self._on_host = True
+            if it.separate:
+                self.engine.store.view(it.unit, it.index).copy_(it.master)
+
+    def _written(self, unit: Any, index: int) -> None:
+        """load_state_dict wrote a master in the store: an fp32 master of a narrower parameter follows."""
+        for it in self.items:
+            if it.unit is unit and it.index == index and it.separate:
+                it.master.copy_(self.engine.store.view(unit, index))
 
     def stats(self) -> dict[str, Any]:
+        kernels = self.stepper.kernels()
         return {
             "optimizer_offload": True,
             "optimizer_step_overlapped": self.overlap,
+            "optimizer_overlap_note": self.overlap_note,
+            "optimizer_kernel": ",".join(sorted(kernels)) or "not chosen yet",
+            "optimizer_steps": self.steps,
+            "optimizer_steps_overlapped": self.overlapped_steps,
+            "gradients_per_step": self.target,
             "trainable_streamed_params": len(self.items),
-            "grad_staging_bytes": int(self._staging_buf.numel()),
-            "grad_staging_pinned": self._pinned,
+            "grad_staging_bytes": int(self._staging.nbytes),
+            "grad_staging_pinned": self._staging.pinned,
         }
 
     def remove(self) -> None:
         self.worker.wait()
+        self._finalizer.detach()
         self.worker.close()
-        if self._orig_step is not None:
-            self.optimizer.step = self._orig_step
+        _LIVE.discard(self)
+        if not _LIVE:
+            for h in _GLOBAL:
+                h.remove()
+            _GLOBAL.clear()
+        self._flush()
         for it in self.items:
             it.hook.remove()
-            if it.master is not self.engine.arena.view(it.unit, it.index):
-                self.engine.arena.view(it.unit, it.index).copy_(it.master)
-            it.param._offload_grad = (it.staging if it.direct else it.acc).clone() if it.has_grad else None
+            g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
+            it.param._offload_grad = g.clone() if g is not None else None
             it.param.grad = None
-        self.engine._cycle_callbacks.remove(self._take_back)
-        if self._pinned:
-            unregister(self._staging_buf)
+        self.engine.remove_cycle_callback(self._take_back)
+        self.engine.masters.remove_hooks(self._flush, self._written)
+        self._staging.close()

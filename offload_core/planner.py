@@ -1,6 +1,7 @@
-"""Planner: which units stay on the device, and what step time to expect.
+"""Planner: which units stay on the device, how deep the ring runs, and what step time to expect.
 
-Three kinds of residency:
+Pure functions of measurements: the engine gathers numbers (``Measurements``), asks, and applies
+the plan it gets back. Nothing here imports or touches the engine.
 
 - **strays** (block and phase granularity): the small tensors outside the block lists (embedders,
   final norm, projection) stay resident when together they are at most ``stray_resident_fraction``
@@ -8,12 +9,16 @@ Three kinds of residency:
   at the turn from one forward to the next they push the first block's copy back.
 - ``offload_ratio``: stream that fraction of the units; the rest are *sticky*, spread through the
   forward order (every k-th unit, ending on the last one).
-- ``vram_budget``: a first plan by bytes (the same interleaving), then, once one traced cycle has
-  been timed, :func:`choose` spends the budget on sticky units and extra ring slots (which keep the
-  forward/backward turnaround units), picking at each step the choice that shortens the simulated
-  cycle most per byte.
+- ``vram_budget``: the first traced cycles run on the smallest ring, which measures what the rest
+  of the process takes at its peak (activations, gradients, optimizer state, other tensors). Then
+  :func:`plan_budget` spends what is left of the budget on sticky units and extra ring slots (which
+  keep the forward/backward turnaround units), picking at each step the choice that shortens the
+  simulated cycle most per byte. A budget that cannot hold the smallest ring raises.
+- no budget, on a card: :func:`plan_growth` deepens the ring into the memory the card has free for
+  this process (a per-process memory fraction counts), keeping a margin, as long as the simulated
+  stall falls; the engine then keeps it only if the measured stall fell too.
 
-A sticky unit is packed in the host arena like any other and loaded once into a device buffer of
+A sticky unit is packed in the host store like any other and loaded once into a device buffer of
 its own, so the plan can change while the model runs.
 """
 
@@ -21,16 +26,26 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
-from .config import OffloadConfig
+from .errors import VramBudgetError
 from .units import Unit
 
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
+__all__ = ["Measurements", "Plan", "Residency", "budget_room", "choose", "growth_room", "initial_depth", "interleaved",
+           "plan_budget", "plan_growth", "plan_residency", "ring_slots", "simulate"]
 
-__all__ = ["plan_residency", "interleaved", "simulate", "choose", "measured_model", "measured_prediction",
-           "replan_from_measurements"]
+DEFAULT_DEPTH = 2
+GiB = float(1 << 30)
+
+
+def initial_depth(prefetch: int | None, vram_budget: int | None) -> int:
+    """The prefetch depth the first cycles run at: a pinned one as given; under a ``vram_budget`` with
+    the depth left to the planner, the smallest ring (two slots), so the measured cycles that decide
+    how the budget is spent never hold more than the least the model can run with; else the default."""
+    if prefetch is not None:
+        return prefetch
+    return 1 if vram_budget is not None else DEFAULT_DEPTH
 
 
 def interleaved(n: int, k: int) -> list[int]:
@@ -43,59 +58,72 @@ def interleaved(n: int, k: int) -> list[int]:
     return sorted({n - 1 - int(math.floor(i * step)) for i in range(k)})
 
 
-def ring_slots(config: OffloadConfig) -> int:
-    return max(config.prefetch + 1, 2)
+def ring_slots(depth: int, units: int | None = None) -> int:
+    """Slots a prefetch depth needs: the unit in use and ``depth`` ahead (two at the least), and
+    never more than the ``units`` that move (each then has a slot of its own)."""
+    n = max(depth + 1, 2)
+    return n if units is None else max(min(n, units), 1 if units else 0)
 
 
-def plan_residency(units: list[Unit], config: OffloadConfig) -> dict:
-    """Mark resident units (``streamed = False``) and sticky ones; returns the plan's numbers."""
+# ---------------------------------------------------------------- the first plan, from sizes
+@dataclass(frozen=True)
+class Residency:
+    resident: frozenset[int]  # units moved to the device once (strays, or everything without cpu_offload)
+    sticky: frozenset[int]    # streamed units kept in a device buffer of their own
+    info: dict = field(default_factory=dict)
+
+
+def plan_residency(units: Sequence[Unit], *, cpu_offload: bool, stray_resident_fraction: float,
+                   offload_ratio: float | None, vram_budget: int | None, depth: int) -> Residency:
+    """Which of the candidate units (``u.streamed``) stay resident or sticky, from their sizes alone."""
     candidates = [u for u in units if u.streamed]
-    keep: list[int] = []
+    resident: set[int] = set()
     strays_resident = 0
-    if not config.cpu_offload:
-        for u in candidates:
-            u.streamed = False
+    if not cpu_offload:
+        resident = {u.uid for u in candidates}
         candidates = []
     else:
         strays = [u for u in candidates if u.stray and not u.trainable]
         stray_bytes = sum(u.nbytes for u in strays)
         total = sum(u.nbytes for u in candidates)
-        if strays and stray_bytes <= config.stray_resident_fraction * total and len(strays) < len(candidates):
-            if config.vram_budget is None or stray_bytes < config.vram_budget:
-                for u in strays:
-                    u.streamed = False
+        rest = [u for u in candidates if not (u.stray and not u.trainable)]
+        ring = ring_slots(depth, len(rest)) * max((u.nbytes for u in rest), default=0)
+        if strays and stray_bytes <= stray_resident_fraction * total and len(strays) < len(candidates):
+            if vram_budget is None or stray_bytes + ring <= vram_budget:
+                resident = {u.uid for u in strays}
                 strays_resident = stray_bytes
-                candidates = [u for u in candidates if u.streamed]
+                candidates = rest
     stickable = [u for u in candidates if not u.trainable]
-    if config.offload_ratio is not None:
-        n_stream = int(round(config.offload_ratio * len(stickable)))
+    keep: list[int] = []
+    if offload_ratio is not None:
+        n_stream = int(round(offload_ratio * len(stickable)))
         keep = interleaved(len(stickable), len(stickable) - n_stream)
-    elif config.vram_budget is not None:
-        # The ring needs its slots of the largest streamed unit; what is left holds sticky units.
-        budget = config.vram_budget - strays_resident
-        for k in range(len(stickable), -1, -1):
-            chosen = set(interleaved(len(stickable), k))
-            streamed = [u for i, u in enumerate(stickable) if i not in chosen] + [u for u in candidates if u.trainable]
-            slot = max((u.nbytes for u in streamed), default=0)
-            need = sum(stickable[i].nbytes for i in chosen) + slot * (ring_slots(config) if streamed else 0)
-            if need <= budget:
-                keep = sorted(chosen)
-                break
-    for i in keep:
-        stickable[i].sticky = True
-    moving = sum(u.nbytes for u in candidates if not u.sticky)
-    return {
-        "resident_units": sum(1 for u in units if not u.streamed),
-        "sticky_units": len(keep),
-        "streamed_units": len(candidates) - len(keep),
+    if vram_budget is not None and candidates:
+        # The smallest ring must fit before anything is measured; the rest waits for measurements.
+        slots = ring_slots(depth, len(candidates))
+        ring = slots * max(u.nbytes for u in candidates)
+        if strays_resident + ring > vram_budget:
+            raise VramBudgetError(
+                f"vram_budget: {_gib(vram_budget)} cannot hold the smallest ring ({slots} slots of "
+                f"{_gib(ring // slots)}, the largest streamed unit){_plus(strays_resident, 'resident strays')}; "
+                f"raise it to at least {_gib(strays_resident + ring)} plus the activations, or split the units "
+                "(offload_granularity='leaf' or cpu_offload_split_threshold)")
+    sticky = frozenset(stickable[i].uid for i in keep)
+    moving = sum(u.nbytes for u in candidates if u.uid not in sticky)
+    info = {
+        "resident_units": len(resident) + sum(1 for u in units if not u.streamed),
+        "sticky_units": len(sticky),
+        "streamed_units": len(candidates) - len(sticky),
         "streamed_bytes": moving,
-        "sticky_bytes": sum(u.nbytes for u in candidates if u.sticky),
+        "sticky_bytes": sum(u.nbytes for u in candidates if u.uid in sticky),
         "stray_resident_bytes": strays_resident,
         "extra_slots": 0,
-        "chosen_by": "bytes" if keep or config.vram_budget is not None else "none",
+        "chosen_by": "bytes" if sticky else ("smallest ring" if vram_budget is not None else "none"),
     }
+    return Residency(frozenset(resident), sticky, info)
 
 
+# ---------------------------------------------------------------- the ring, simulated
 def simulate(
     trace: Sequence[int],
     compute: Sequence[float] | dict[int, float],
@@ -104,6 +132,7 @@ def simulate(
     prefetch: int,
     sticky: set[int] | frozenset[int] = frozenset(),
     cycles: int = 2,
+    stale: set[int] | frozenset[int] = frozenset(),
 ) -> float:
     """Predicted time of one steady cycle of the trace, in ms.
 
@@ -114,7 +143,8 @@ def simulate(
     the busy time from each use of the trace to the next (a list by position), or per unit.
     ``copy`` holds each streamed unit's copy time; units missing from it (resident) and ``sticky``
     ones are always ready. Runs ``cycles`` cycles and returns the last one, so the turnaround from
-    one cycle to the next (wrap-around prefetch, cache hits) is counted.
+    one cycle to the next (wrap-around prefetch, cache hits) is counted. ``stale`` units lose their
+    device copy at every cycle start (streamed trainable parameters, which the optimizer changes).
     """
     n = len(trace)
     if n == 0:
@@ -167,6 +197,10 @@ def simulate(
     for p in range(cycles * n):
         if p % n == 0:
             cycle_start = comp_end
+            for s, o in enumerate(owner):
+                if o in stale:
+                    where.pop(o, None)
+                    owner[s] = None
         uid = trace[p % n]
         if streamed(uid):
             if uid not in where:
@@ -195,7 +229,9 @@ def choose(
     prefetch: int,
     budget: int,
     forced: set[int] | frozenset[int] = frozenset(),
-    candidates: set[int] | None = None,
+    candidates: set[int] | frozenset[int] | None = None,
+    grow_depth: bool = False,
+    stale: set[int] | frozenset[int] = frozenset(),
     max_candidates: int = 64,
     time_limit_s: float = 3.0,
 ) -> dict:
@@ -203,13 +239,18 @@ def choose(
 
     ``copy`` holds every streamed unit (sticky ones included); ``forced`` units must stay sticky
     (bigger than a ring slot); only ``candidates`` (default: all) may become sticky. The ring's
-    ``slots`` are already paid for out of the budget.
+    ``slots`` are already paid for out of the budget. With ``grow_depth`` every extra slot also
+    deepens the prefetch (depth = slots - 1), so the lookahead reaches the units the slots keep.
     """
     t0 = time.perf_counter()
     sticky = set(forced)
     used = slots * slot_bytes + sum(nbytes[u] for u in sticky)
     extra = 0
-    best = simulate(trace, compute, copy, slots, prefetch, sticky)
+
+    def depth(k: int) -> int:
+        return max(prefetch, slots + k - 1) if grow_depth else prefetch
+
+    best = simulate(trace, compute, copy, slots, depth(0), sticky, stale=stale)
     start_ms = best
     pool = [u for u in copy if u not in sticky and (candidates is None or u in candidates)]
     if len(pool) > max_candidates:
@@ -217,12 +258,12 @@ def choose(
     while time.perf_counter() - t0 < time_limit_s:
         options: list[tuple[float, str, int | None, float]] = []
         if used + slot_bytes <= budget:
-            t = simulate(trace, compute, copy, slots + extra + 1, prefetch, sticky)
+            t = simulate(trace, compute, copy, slots + extra + 1, depth(extra + 1), sticky, stale=stale)
             options.append(((best - t) / slot_bytes, "slot", None, t))
         for u in pool:
             if u in sticky or used + nbytes[u] > budget:
                 continue
-            t = simulate(trace, compute, copy, slots + extra, prefetch, sticky | {u})
+            t = simulate(trace, compute, copy, slots + extra, depth(extra), sticky | {u}, stale=stale)
             options.append(((best - t) / max(nbytes[u], 1), "unit", u, t))
         options = [o for o in options if best - o[3] > 1e-3 * max(best, 1e-9)]
         if not options:
@@ -235,69 +276,144 @@ def choose(
             sticky.add(u)  # type: ignore[arg-type]
             used += nbytes[u]  # type: ignore[index]
         best = t
-    return {"sticky": sticky, "extra_slots": extra, "predicted_ms": best, "start_ms": start_ms,
+    return {"sticky": sticky, "extra_slots": extra, "depth": depth(extra), "predicted_ms": best, "start_ms": start_ms,
             "used_bytes": used, "seconds": time.perf_counter() - t0}
 
 
-# ---------------------------------------------------------------- from a running engine's timings
-def measured_model(e: "OffloadEngine") -> tuple[list[int], list[float], dict[int, float]] | None:
-    """The traced cycle, each position's busy time and each streamed unit's copy time, in ms.
+# ---------------------------------------------------------------- plans from a measured cycle
+@dataclass(frozen=True)
+class Measurements:
+    """One traced cycle of a running engine, and what the device held while it ran."""
 
-    A position's busy time runs from its unit's use starting (bytes ready) to the next use being
-    asked for, so backward kernels, recompute and the optimizer step between cycles count too.
+    trace: tuple[int, ...]       # unit uses in order, one cycle
+    spans: tuple[float, ...]     # busy ms from each use to the next
+    copy_ms: dict[int, float]    # each streamed unit's copy time (sticky ones too)
+    nbytes: dict[int, int]       # each streamed unit's device bytes
+    slot_bytes: int
+    slots: int                   # ring slots now
+    depth: int                   # prefetch depth now
+    sticky: frozenset[int]
+    candidates: frozenset[int]   # units that may become sticky
+    forced: frozenset[int]       # sticky units bigger than a slot: they stay sticky
+    stale: frozenset[int] = frozenset()  # units whose device copy goes stale every cycle (trainable)
+    fixed_bytes: int = 0         # engine device bytes besides ring and sticky (resident tensors, staging)
+    engine_bytes: int = 0        # everything the engine held on the device while measured
+    peak_bytes: int | None = None   # peak allocated on the device during the measured cycles (None: unknown)
+    limit_bytes: int | None = None  # what the device lets this process allocate (None: not a card)
+
+
+@dataclass(frozen=True)
+class Plan:
+    sticky: frozenset[int]
+    slots: int
+    depth: int
+    predicted_ms: float
+    start_ms: float
+    chosen_by: str
+    other_bytes: int = 0   # the measured peak of everything that is not the engine's
+    device_bytes: int = 0  # what the engine will hold on the device under this plan
+    seconds: float = 0.0
+
+    def info(self) -> dict:
+        return {"chosen_by": self.chosen_by, "planned_step_ms": self.predicted_ms, "unplanned_step_ms": self.start_ms,
+                "planned_slots": self.slots, "planned_depth": self.depth, "measured_other_bytes": self.other_bytes,
+                "planned_device_bytes": self.device_bytes, "plan_seconds": self.seconds}
+
+
+def predict(m: Measurements) -> float:
+    return simulate(m.trace, m.spans, m.copy_ms, m.slots, m.depth, m.sticky, stale=m.stale)
+
+
+def _other(m: Measurements) -> int:
+    return 0 if m.peak_bytes is None else max(0, m.peak_bytes - m.engine_bytes)
+
+
+def budget_room(m: Measurements, budget: int) -> int:
+    """Bytes of ``budget`` left for the ring and sticky units once the measured rest of the process is
+    set aside; raises when the ring as it is (and the units bigger than a slot) cannot fit."""
+    other = _other(m)
+    room = budget - other - m.fixed_bytes
+    need = m.slots * m.slot_bytes + sum(m.nbytes[u] for u in m.forced)
+    if room < need:
+        raise VramBudgetError(
+            f"vram_budget: {_gib(budget)} cannot hold this model: the ring needs {_gib(m.slots * m.slot_bytes)} "
+            f"({m.slots} slots){_plus(m.fixed_bytes, 'resident tensors')}"
+            f"{_plus(sum(m.nbytes[u] for u in m.forced), 'units bigger than a slot')}, and the rest of the process "
+            f"(activations, gradients, optimizer state, other tensors) peaked at {_gib(other)} in the traced steps; "
+            f"raise it to at least {_gib(other + m.fixed_bytes + need)}, or run a smaller batch or resolution")
+    return room
+
+
+def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> Plan:
+    """Spend ``budget`` (peak allocated bytes, activations included) on sticky units and ring slots.
+
+    What the rest of the process took at its peak in the measured cycles is set aside first; the
+    ring as it is (and units bigger than a slot) must fit in what is left, or this raises.
     """
-    if e.timing is None or not e.schedule.trace:
-        return None
-    e.timing.resolve(block=True)
-    h2d_ms = e.timing.total_ms.get("h2d", 0.0)
-    if h2d_ms <= 0 or e.counters.h2d_bytes <= 0:
-        return None
-    per_ms = e.counters.h2d_bytes / h2d_ms
-    trace = list(e.schedule.trace)
-    spans = [e.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))]
-    copy = {u.uid: u.store_nbytes / per_ms for u in e.streamed}
-    return trace, spans, copy
+    room = budget_room(m, budget)
+    res = choose(list(m.trace), list(m.spans), m.copy_ms, m.nbytes, slot_bytes=m.slot_bytes, slots=m.slots,
+                 prefetch=m.depth, budget=room, forced=m.forced, candidates=m.candidates, grow_depth=grow_depth,
+                 stale=m.stale)
+    return Plan(frozenset(res["sticky"]), m.slots + res["extra_slots"], res["depth"], res["predicted_ms"],
+                res["start_ms"], "measured", _other(m), m.fixed_bytes + res["used_bytes"], res["seconds"])
 
 
-def measured_prediction(e: "OffloadEngine") -> float | None:
-    model = measured_model(e)
-    if model is None:
+def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None = None,
+                max_seconds: float = 2.0) -> Plan | None:
+    """No budget: deepen the ring into the device's free memory (less ``margin``) while the simulated stall falls.
+
+    When the simulation sees nothing to gain but the cycle really stalled (``measured_stall_ms``, at
+    least 2% of its busy time), the ring doubles anyway (within the free memory): the engine keeps a
+    growth only if the measured stall then falls, so a simulation that misjudges the copies cannot
+    hold the ring small. Returns None when there is no device limit to grow into (the CPU), or
+    growing would not help.
+    """
+    if m.limit_bytes is None or m.peak_bytes is None or m.slot_bytes <= 1:
         return None
-    trace, spans, copy = model
-    return simulate(trace, spans, copy, len(e.ring.slots), e.config.prefetch, set(e.ring.sticky))
+    t0 = time.perf_counter()
+    k_max = growth_room(m, margin)
+    busy = sum(m.spans)
+    times = [simulate(m.trace, m.spans, m.copy_ms, m.slots, m.depth, m.sticky, stale=m.stale)]
+    for k in range(1, k_max + 1):
+        times.append(simulate(m.trace, m.spans, m.copy_ms, m.slots + k, max(m.depth, m.slots + k - 1), m.sticky,
+                              stale=m.stale))
+        if times[-1] <= busy * 1.002 or time.perf_counter() - t0 > max_seconds:
+            break  # no stall left to take away (or out of planning time)
+        if k >= 4 and times[-5] - times[-1] <= 1e-3 * times[-5]:
+            break  # four more slots bought nothing
+    best = min(times)
+    # the fewest slots within 0.5% of the best: the memory past that buys almost nothing
+    k = next(i for i, t in enumerate(times) if t <= best + 0.005 * best)
+    chosen_by = "free memory"
+    if k == 0 or times[0] - times[k] < 0.01 * times[0]:
+        if measured_stall_ms is None or k_max == 0 or measured_stall_ms < 0.02 * max(busy, 1e-9):
+            return None
+        k = min(k_max, max(m.slots, 1))
+        chosen_by = "free memory (measured stall)"
+        times.append(simulate(m.trace, m.spans, m.copy_ms, m.slots + k, max(m.depth, m.slots + k - 1), m.sticky,
+                              stale=m.stale))
+        best = times[-1]
+    else:
+        best = times[k]
+    return Plan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), best, times[0], chosen_by,
+                _other(m), m.engine_bytes + k * m.slot_bytes, time.perf_counter() - t0)
 
 
-def replan_from_measurements(e: "OffloadEngine") -> dict | None:
-    """vram_budget: choose sticky units and extra ring slots from the measured cycle, and apply them."""
-    model = measured_model(e)
-    if model is None or e.ring.slot_bytes <= 1 or e.config.vram_budget is None:
-        return None
-    trace, spans, copy = model
-    budget = int(e.config.vram_budget) - int(e.prediction.get("stray_resident_bytes", 0))
-    forced = {uid for uid in e.ring.sticky if e.units[uid].nbytes > e.ring.slot_bytes}
-    candidates = {u.uid for u in e.streamed if not u.trainable}
-    res = choose(trace, spans, copy, {u.uid: u.nbytes for u in e.streamed}, slot_bytes=e.ring.slot_bytes,
-                 slots=len(e.ring.slots), prefetch=e.config.prefetch, budget=budget, forced=forced,
-                 candidates=candidates)
-    for uid in list(e.ring.sticky):
-        if uid not in res["sticky"]:
-            e.ring.drop_sticky(uid)
-            e.units[uid].sticky = False
-    for uid in sorted(res["sticky"]):
-        if uid not in e.ring.sticky:
-            e.units[uid].sticky = True
-            e.ring.add_sticky(uid, e.units[uid].nbytes)
-    e.ring.add_slots(res["extra_slots"])
-    moving = [u for u in e.streamed if not u.sticky]
-    e.prediction.update(
-        chosen_by="measured",
-        sticky_units=len(res["sticky"]),
-        streamed_units=len(moving),
-        streamed_bytes=sum(u.nbytes for u in moving),
-        sticky_bytes=sum(e.units[uid].nbytes for uid in res["sticky"]),
-        extra_slots=res["extra_slots"],
-        planned_step_ms=res["predicted_ms"],
-        unplanned_step_ms=res["start_ms"],
-        plan_seconds=res["seconds"],
-    )
-    return res
+def growth_room(m: Measurements, margin: int) -> int:
+    """Ring slots the device's free memory (less ``margin``) can still take, and that some unit would use."""
+    if m.limit_bytes is None or m.peak_bytes is None or m.slot_bytes <= 1:
+        return 0
+    headroom = m.limit_bytes - margin - m.peak_bytes
+    streamed = sum(1 for u in m.copy_ms if u not in m.sticky)
+    return int(min(max(headroom, 0) // m.slot_bytes, max(streamed - m.slots, 0)))
+
+
+def _gib(n: int | float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _plus(n: int, what: str) -> str:
+    return f" + {_gib(n)} of {what}" if n else ""

@@ -13,13 +13,38 @@ from torch import nn
 
 from .units import Unit
 
-__all__ = ["FP8_MAX", "UnitWidener", "quantize", "widen", "fake_quantize", "storage_dtype"]
+__all__ = ["FP8_MAX", "UnitWidener", "assign_storage", "quantize", "widen", "fake_quantize", "is_lossy", "storage_dtype"]
 
 FP8_MAX = 448.0
 
 
 def storage_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
+
+
+def assign_storage(units: list[Unit], weight_dtype: str | None) -> bool:
+    """Give the eligible tensors of ``units`` their storage dtype and lay the units out again.
+
+    Weights only: buffers (positional tables, running stats) and trainable parameters keep their
+    dtype. Returns whether storing rounds any of them (a lossy ``weight_dtype``).
+    """
+    store = storage_dtype(weight_dtype)
+    if store is None:
+        return False
+    for u in units:
+        for ts in u.tensors:
+            if ts.is_param and not ts.trainable and eligible(ts.tensor(), store):
+                ts.store_dtype = store
+        u.layout()
+    return any(is_lossy(ts.dtype, ts.store_dtype) for u in units for ts in u.tensors)
+
+
+def is_lossy(dtype: torch.dtype, store: torch.dtype | None) -> bool:
+    """Whether storing ``dtype`` values as ``store`` rounds them (fp8, or any narrower float)."""
+    if store is None or store == dtype:
+        return False
+    # widening into a float of more bits and a wider exponent is exact (bf16/fp16 -> fp32)
+    return not (store in (torch.float32, torch.float64) and torch.finfo(store).bits > torch.finfo(dtype).bits)
 
 
 def quantize(w: torch.Tensor, store: torch.dtype, out: torch.Tensor | None = None,
@@ -98,6 +123,11 @@ class UnitWidener:
         nbytes = max((u.store_nbytes for u in units if u.converted), default=0)
         self.raw = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2 if nbytes else 0)]
         self._src: dict[tuple[int, int], tuple] = {}
+
+    def forget(self, uid: int) -> None:
+        """uid's stored bytes or scales changed: its cached views and scales are rebuilt on next use."""
+        for key in [k for k in self._src if k[0] == uid]:
+            del self._src[key]
 
     @property
     def staging_bytes(self) -> int:

@@ -10,6 +10,7 @@ on the compute stream then orders the overwrite after every kernel already queue
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -82,6 +83,30 @@ class SlotRing:
         """Planned extra slots (not counted as grows)."""
         for _ in range(k):
             self._add()
+
+    def resize(self, n: int, keep: Iterable[int] = ()) -> None:
+        """Grow to n slots, or shrink toward n by dropping free slots (empty ones first), never one
+        whose owner is in ``keep`` or that something still references."""
+        if n > len(self.slots):
+            self.add_slots(n - len(self.slots))
+            return
+        keep = set(keep)
+        for s in sorted(self.slots, key=lambda s: (s.owner is not None, s.last_use)):
+            if len(self.slots) <= n:
+                break
+            if (s.owner is not None and s.owner in keep) or not s.is_free():
+                continue
+            self.slots.remove(s)
+            self.by_ptr.pop(s.ptr, None)
+            if s.owner is not None:
+                self.by_owner.pop(s.owner, None)
+
+    def forget(self, uid: int) -> None:
+        """uid's device copy is stale: its slot holds nothing any more (a sticky slot stays uid's)."""
+        slot = self.by_owner.pop(uid, None)
+        if slot is not None:
+            slot.owner = None
+            slot.ready = None
 
     def add_sticky(self, uid: int, nbytes: int) -> Slot:
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)

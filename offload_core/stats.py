@@ -62,6 +62,7 @@ class TimingLog:
     per_unit_ms: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     counts: dict = field(default_factory=lambda: defaultdict(int))
     last_ms: dict = field(default_factory=dict)  # (kind, key) -> the latest resolved value
+    cycle_ms: dict = field(default_factory=lambda: defaultdict(float))  # (kind, cycle) -> ms, for pairs added with a cycle
     _free: list = field(default_factory=list)
     backlog: int = 4096
     host: bool = False  # CPU path: host clock stamps instead of CUDA events
@@ -71,16 +72,17 @@ class TimingLog:
             return self._free.pop()
         return HostEvent() if self.host else torch.cuda.Event(enable_timing=True)
 
-    def add(self, kind: str, uid: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        self.pending.append((kind, uid, start, end))
+    def add(self, kind: str, uid: int, start: torch.cuda.Event, end: torch.cuda.Event, cycle: int | None = None) -> None:
+        self.pending.append((kind, uid, start, end, cycle))
         if len(self.pending) > self.backlog:
             self.resolve(block=False)
 
     def resolve(self, block: bool = True) -> None:
         keep = []
-        for kind, uid, start, end in self.pending:
+        for item in self.pending:
+            kind, uid, start, end, cycle = item
             if not block and not end.query():
-                keep.append((kind, uid, start, end))
+                keep.append(item)
                 continue
             if block:
                 end.synchronize()
@@ -89,6 +91,8 @@ class TimingLog:
             self.per_unit_ms[uid][kind] += ms
             self.last_ms[(kind, uid)] = ms
             self.counts[kind] += 1
+            if cycle is not None:
+                self.cycle_ms[(kind, cycle)] += ms
             self._free.extend((start, end))
         self.pending = keep
 
@@ -98,6 +102,7 @@ class TimingLog:
         self.per_unit_ms.clear()
         self.counts.clear()
         self.last_ms.clear()
+        self.cycle_ms.clear()
 
 
 class CopyClock:

@@ -2,8 +2,10 @@
 
 The manager is the DiffSynth-Studio-compatible face of the same engine enable_offload uses:
 
-    manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, optimizer=optimizer)
+    manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True)
     loss.backward(); manager.after_backward(); optimizer.step(); optimizer.zero_grad()
+
+The optimizer is found at its first step (or passed as ``optimizer=``).
 
 Frozen weights stream in the forward pass, the checkpoint recompute and the backward pass;
 trainable parameters stay resident unless optimizer offload is on (see optim_offload.py).
@@ -47,9 +49,8 @@ class OffloadTrainingManager:
         if optimizer is not None:
             # Checked before the engine touches the model, so a mismatch leaves it intact.
             _check_optimizer(model, optimizer)
-            cfg.extra["optimizer"] = optimizer
         self.model = model
-        self.handle: OffloadHandle = enable_offload(model, cfg)
+        self.handle: OffloadHandle = enable_offload(model, cfg, optimizer=optimizer)
         self.engine = self.handle.engine
 
     def after_backward(self) -> None:

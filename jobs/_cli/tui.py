@@ -1,45 +1,33 @@
-"""`offload-jobs tui`: the Textual dashboard, once the `tui` package ships one."""
+"""`offload-jobs tui`: the Textual dashboard (the `tui` package), on the worker's client API."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-from jobs._cli.output import CliError
-
 
 def tui(
-    read_only: Annotated[bool, typer.Option("--read-only", help="Watch only: no cancel or retry keys.")] = False,
+    url: Annotated[Optional[str], typer.Option(
+        "--url", help="Worker URL (default $OFFLOAD_JOBS_URL, else the state dir's worker.json).",
+        show_default=False)] = None,
+    token: Annotated[Optional[str], typer.Option(
+        "--token", help="Bearer token (default $OFFLOAD_JOBS_TOKEN, else the state dir's token file).",
+        show_default=False)] = None,
+    home: Annotated[Optional[Path], typer.Option(
+        "--home", help="State dir (default $OFFLOAD_JOBS_HOME or ~/.offload-jobs).", show_default=False)] = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="Watch only: no cancel, retry, signal or submit.")] = False,
+    job: Annotated[Optional[str], typer.Option("--job", "-j", help="Open this job's detail screen.",
+                                               show_default=False)] = None,
+    logs: Annotated[bool, typer.Option("--logs", help="With --job: open its logs screen.")] = False,
+    tail: Annotated[Optional[int], typer.Option("--tail", "-n", min=0, show_default=False,
+                                                help="Logs screen: keep only the last N lines.")] = None,
 ) -> None:
-    """Open the terminal dashboard: jobs, VRAM, pinned pool, cache hits, GB/s, loss and logs."""
-    launch = _find_tui()
-    if launch is None:
-        raise CliError("the TUI is not built yet; meanwhile use `offload-jobs ps` and `offload-jobs logs -f JOB`")
-    launch(read_only=read_only)
+    """Open the terminal dashboard: jobs, VRAM, pinned pool, cache hits, GB/s, loss and logs.
 
+    Keys: / filter, Enter detail, l logs, c cancel, r retry, s save/sample, n new job, ? help, Esc back.
+    """
+    from tui.app import main
 
-def _find_tui() -> Callable[..., Any] | None:
-    import importlib
-    import inspect
-
-    try:
-        mod = importlib.import_module("tui.app")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("tui", "tui.app"):
-            return None
-        raise
-    main = getattr(mod, "main", None) or getattr(mod, "run", None)
-    if callable(main):
-        takes_read_only = "read_only" in inspect.signature(main).parameters
-        return (lambda read_only: main(read_only=read_only)) if takes_read_only else (lambda read_only: main())
-    app = getattr(mod, "app", None)
-    if app is not None and hasattr(app, "run"):
-        return lambda read_only: app.run()
-    # Else the first Textual-style App class the module defines.
-    for value in vars(mod).values():
-        if inspect.isclass(value) and value.__module__ == mod.__name__ and value.__name__.endswith("App") \
-                and hasattr(value, "run"):
-            takes_read_only = "read_only" in inspect.signature(value).parameters
-            return lambda read_only, cls=value: (cls(read_only=read_only) if takes_read_only else cls()).run()
-    return None
+    main(url=url, token=token, home=str(home) if home else None, read_only=read_only, job=job, logs=logs, tail=tail)

@@ -2,7 +2,8 @@
 
 1. check the model folder and the LoRA (a file, a folder, or a train job's id), and that they agree
 2. encode every prompt and negative prompt (text encoders under component offload, then freed)
-3. load the transformer, fuse the LoRA into it, put it on the engine
+3. load the transformer onto the engine (read straight into its arena), fuse the LoRA into its host
+   masters
 4. render each prompt for each seed; write PNGs (frames, a GIF and, with imageio-ffmpeg, an MP4 for
    Wan), a JSON of every parameter, and a contact sheet of everything
 """
@@ -22,6 +23,7 @@ from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError, read_lora_header
+from jobs.runners.lora import base_weights_on_host
 from jobs.runners.precompute import encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
 from jobs.spec import JobSpec
@@ -84,7 +86,8 @@ def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
         if len(got) < len(wanted):
             raise LoraError(f"infer.lora: only {len(got)} of the {len(wanted)} modules of {path} are in this model "
                             "(a LoRA of another model size?)")
-        model.fuse_lora(lora_scale=scale)
+        with base_weights_on_host(model):  # on the CPU, into the engine's host masters when it streams them
+            model.fuse_lora(lora_scale=scale)
         model.unload_lora()
 
     return prepare
@@ -113,12 +116,14 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
     engine_keys = spec.offload.engine_kwargs()
     engine_keys.pop("enable_optimizer_cpu_offload", None)
-    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=False, prepare=prepare,
-                              rss=watch.rss)
+    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=False,
+                              with_weights=prepare, rss=watch.rss)
     watch.sample()
     metrics.write({"phase": "load", "weight_bytes": loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
-                   "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes), **loaded.memory})
+                   "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
+                   "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
+                   / max(1, loaded.weight_bytes), **loaded.memory})
     if lora is not None:
         meta, _ = read_lora_header(lora)
         print(f"LoRA {lora} fused at scale {i.lora_scale} (rank {meta.get('lora_rank', '?')}, "

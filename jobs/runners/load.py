@@ -1,10 +1,12 @@
 """Loading a model folder's parts, and the offload around them.
 
-`load_transformer` is the one place the transformer's weights come from. Today it is diffusers'
-`from_pretrained(low_cpu_mem_usage=True)` followed by the engine (`enable_offload` or
-`OffloadTrainingManager`), and it reports host RSS against the weight bytes. When the engine grows
-an entry point that reads safetensors tensor by tensor into its arena (the model built on the meta
-device), only this function changes.
+`load_transformer` is the one place the transformer's weights come from. With the engine on
+(`offload:` keys), the transformer is built on the meta device exactly as diffusers'
+`from_pretrained(torch_dtype=...)` builds it (`meta_transformer`), and the engine reads each tensor
+of `transformer/*.safetensors` straight into its pinned arena (`weights=`), or streams it from
+shards (`lazy_load`), so host RAM never holds the weights twice. Without the engine, or with
+`offload_to_disk` (which writes shards from a model in RAM), it is `from_pretrained`. It reports
+host RSS against the weight bytes.
 
 `component_offload` runs a text encoder or the VAE on the device only while it is needed.
 """
@@ -24,7 +26,7 @@ import torch
 
 from jobs.runners.families import FamilyAdapter
 
-__all__ = ["resolve_device", "resolve_dtype", "apply_vram_cap", "load_transformer", "LoadedTransformer",
+__all__ = ["resolve_device", "resolve_dtype", "apply_vram_cap", "load_transformer", "meta_transformer", "LoadedTransformer",
            "load_pipeline_parts", "component_offload", "free_host_memory", "module_bytes"]
 
 VRAM_CAP_ENV = "OFFLOAD_JOBS_VRAM_CAP"
@@ -82,9 +84,37 @@ class LoadedTransformer:
         return self.handle.stats() if self.handle is not None else {}
 
 
+def meta_transformer(cls: Any, folder: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformer of `folder` (its config) with every parameter on the meta device, in the dtypes
+    `cls.from_pretrained(folder, torch_dtype=dtype)` gives: built under `dtype` as the default (tables
+    computed at init follow it, as there), parameters and persistent buffers cast to `dtype` except
+    the class's `_keep_in_fp32_modules`, which stay float32. Buffers computed at init are real."""
+    import accelerate
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with accelerate.init_empty_weights():
+            model = cls.from_config(cls.load_config(str(folder)))
+    finally:
+        torch.set_default_dtype(previous)
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    for mname, m in model.named_modules():
+        persistent = [(a, t) for a, t in m._buffers.items() if a not in m._non_persistent_buffers_set]
+        for attr, t in [*m._parameters.items(), *persistent]:
+            if t is None or not t.is_floating_point():
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            want = torch.float32 if any(k in name.split(".") for k in keep) else dtype
+            if t.dtype != want:
+                t.data = t.data.to(want)
+    return model.eval()
+
+
 def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, device: torch.device, *,
                      offload: dict[str, Any] | None, training: bool = False,
                      prepare: Callable[[torch.nn.Module], None] | None = None,
+                     with_weights: Callable[[torch.nn.Module], None] | None = None,
                      make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
                      enable_optimizer_cpu_offload: bool = False,
                      cpu_offload_split_threshold: float | None = None,
@@ -92,41 +122,53 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
 
     `offload` holds engine keys (None keeps the model resident on `device`). `prepare(model)` runs
-    after the weights exist and before the engine packs them; `make_optimizer(model)` builds the
-    optimizer over what `prepare` made trainable (the training manager needs it up front).
+    before the engine takes the model, on the meta device when the engine loads the weights
+    (peft's adapters get values there: `lora.inject_lora`). `with_weights(model)` runs where the base
+    weights have their values (a LoRA fused into them): before the engine when the model was loaded
+    into RAM, after it (on its host masters) when it was built on the meta device.
+    `make_optimizer(model)` builds the optimizer over what `prepare` made trainable.
     """
     _, cls = family.classes()
     rss = rss or (lambda: 0)
+    folder = Path(model_dir) / "transformer"
+    keys = dict(offload or {})
+    meta = offload is not None and not keys.get("offload_to_disk")
     t0 = time.perf_counter()
     before = rss()
-    model = cls.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype, low_cpu_mem_usage=True)
-    model.eval()
+    if meta:
+        model = meta_transformer(cls, folder, dtype)
+        if not keys.get("lazy_load"):
+            keys["weights"] = str(folder)
+    else:
+        model = cls.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype, low_cpu_mem_usage=True)
+        model.eval()
     loaded = LoadedTransformer(model=model, weight_bytes=module_bytes(model))
     loaded.memory["rss_before_load"] = before
     loaded.memory["rss_after_load"] = rss()
     if prepare is not None:
         prepare(model)
+    if with_weights is not None and not meta:
+        with_weights(model)
     if make_optimizer is not None:
         loaded.optimizer = make_optimizer(model)
     loaded.load_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
+    keys.setdefault("target_device", str(device))
     if offload is None:
         model.to(device)
     elif training:
         from offload_core import OffloadTrainingManager
 
-        keys = dict(offload)
-        keys.setdefault("target_device", str(device))
         loaded.handle = OffloadTrainingManager(
             model, target_device=keys.pop("target_device"), enable_optimizer_cpu_offload=enable_optimizer_cpu_offload,
             cpu_offload_split_threshold=cpu_offload_split_threshold, optimizer=loaded.optimizer, **keys)
     else:
         from offload_core import enable_offload
 
-        keys = dict(offload)
-        keys.setdefault("target_device", str(device))
         loaded.handle = enable_offload(model, **keys)
+    if with_weights is not None and meta:
+        with_weights(model)
     free_host_memory()
     loaded.offload_seconds = time.perf_counter() - t1
     loaded.memory["rss_after_offload"] = rss()

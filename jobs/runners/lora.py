@@ -12,8 +12,9 @@ same scale (1). Rank and alpha go into the safetensors header, next to the famil
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from jobs.runners.families import FamilyAdapter
 from jobs.runners.folders import LoraError, lora_family, read_lora_header
 
-__all__ = ["LoraError", "inject_lora", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
+__all__ = ["LoraError", "inject_lora", "base_weights_on_host", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
            "read_lora_header"]
 
 
@@ -38,10 +39,55 @@ def inject_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[s
     adapted = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n})
     if not adapted:
         raise LoraError(f"train.lora_target_modules: none of {', '.join(targets)} names a module of this model")
+    _initialise_on_meta(model, cfg.init_lora_weights)
     for n, p in model.named_parameters():  # LoRA weights train in fp32 whatever the base dtype
         if ".lora_" in n:
             p.data = p.data.float()
     return adapted
+
+
+def _initialise_on_meta(model: torch.nn.Module, init: Any) -> None:
+    """A model built on the meta device (its weights read later by the engine) gets its LoRA on the
+    meta device too (peft follows the base layer): give those tensors memory and peft's own init."""
+    from peft.tuners.lora import LoraLayer
+
+    for m in model.modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        for name in list(m.lora_A.keys()):
+            parts = (m.lora_A[name], m.lora_B[name])
+            if any(p.device.type == "meta" for part in parts for p in part.parameters()):
+                for part in parts:
+                    part.to_empty(device="cpu")
+                m.reset_lora_parameters(name, init)
+
+
+@contextmanager
+def base_weights_on_host(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, every LoRA-wrapped base weight is a CPU tensor holding its value, and the adapters are
+    on the CPU: peft's merge (`fuse_lora`) runs there, as on a model loaded into RAM. With the engine
+    streaming the weights, those values are its host masters (`state_dict()`); on leaving they are
+    written back through `load_state_dict`, which drops the device copies."""
+    from peft.tuners.lora import LoraLayer
+
+    state = model.state_dict()
+    swapped = []
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        base = m.get_base_layer()
+        key = f"{name}.base_layer.weight"
+        host = state[key].to("cpu")
+        swapped.append((base, base._parameters["weight"], key, host))
+        base._parameters["weight"] = torch.nn.Parameter(host, requires_grad=False)
+        m.lora_A.to("cpu")
+        m.lora_B.to("cpu")
+    try:
+        yield
+    finally:
+        for base, orig, _, _ in swapped:
+            base._parameters["weight"] = orig
+    model.load_state_dict({key: host for _, _, key, host in swapped}, strict=False)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -451,6 +451,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         return StreamingResponse(_stream(store, bus, request, start, job_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    add_job_file_routes(app)  # issue 14's block at the end of this file
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_spec_bytes + 64 * 1024)
     app.add_middleware(AuthMiddleware, token=token, hosts=allowed_hosts(host, extra_hosts))  # outermost
@@ -515,3 +516,82 @@ def _fit_error(spec: JobSpec, vram: list[int], who: str) -> str | None:
         have = ", ".join(f"{v / 2**30:.1f} GiB" if v else "unknown" for v in sorted(vram, reverse=True))
         return f"asks for {need} GPU(s) of at least {floor / 2**30:.1f} GiB; {who} has {have}"
     return None
+
+
+# ---------------------------------------------------------------- for the dashboard and `report` (issue 14)
+# A job's own events (its run dir's events.jsonl) and its outputs/ files, read-only. Only regular
+# files are served: a symlink anywhere under outputs/ is neither listed nor followed.
+
+MAX_OUTPUT_FILE = 64 << 20
+
+
+def _outputs_dir(app: FastAPI, job_id: str) -> tuple[Path, Path]:
+    job = app.state.store.get_job(job_id)
+    rd = RunDir(job["run_dir"] or RunDir.for_job(app.state.home, job["id"]).path)
+    return rd.path, rd.outputs_dir
+
+
+def _list_outputs(outputs: Path, limit: int = 2000) -> list[dict[str, Any]]:
+    files: list[dict[str, Any]] = []
+    if outputs.is_symlink() or not outputs.is_dir():
+        return files
+    for root, dirs, names in os.walk(outputs, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(root, d)))
+        for name in sorted(names):
+            p = os.path.join(root, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if not os.path.isfile(p) or os.path.islink(p):
+                continue
+            files.append({"path": os.path.relpath(p, outputs), "size": st.st_size, "mtime": st.st_mtime})
+            if len(files) >= limit:
+                return files
+    return files
+
+
+def add_job_file_routes(app: FastAPI) -> None:
+    @app.get("/v1/events/last")
+    def last_event() -> Response:
+        # A dashboard lists jobs after reading this, then streams events from it: no gap between.
+        return _json({"id": app.state.store.last_event_id()})
+
+    @app.get("/v1/jobs/{job_id}/events")
+    def job_events(job_id: str) -> Response:
+        run_path, _ = _outputs_dir(app, job_id)
+        records: list[dict[str, Any]] = []
+        try:
+            with open(run_path / "events.jsonl", "rb") as f:
+                for line in f.read(8 << 20).splitlines():
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict):
+                        records.append(rec)
+        except OSError:
+            pass
+        return _json({"events": records})
+
+    @app.get("/v1/jobs/{job_id}/outputs")
+    def job_outputs(job_id: str) -> Response:
+        _, outputs = _outputs_dir(app, job_id)
+        return _json({"files": _list_outputs(outputs)})
+
+    @app.get("/v1/jobs/{job_id}/outputs/{path:path}")
+    def job_output_file(job_id: str, path: str) -> Response:
+        _, outputs = _outputs_dir(app, job_id)
+        listed = {f["path"]: f for f in _list_outputs(outputs)}
+        entry = listed.get(path)
+        if entry is None:
+            return _json({"error": f"no output file {path!r} in job {job_id}"}, 404)
+        if entry["size"] > MAX_OUTPUT_FILE:
+            return _json({"error": f"{path} is {entry['size']} bytes, over the {MAX_OUTPUT_FILE} limit"}, 413)
+        try:
+            fd = os.open(outputs / path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(MAX_OUTPUT_FILE + 1)
+        except OSError as exc:
+            return _json({"error": f"{path}: {exc.strerror or exc}"}, 404)
+        return Response(data, media_type="application/octet-stream")

@@ -324,10 +324,12 @@ def test_jobs_survive_down_and_up(stack: Stack) -> None:
 def test_docker_executor_is_opt_in_through_compose_docker_yaml(stack: Stack) -> None:
     """With compose.docker.yaml the worker starts one container per `executor: docker` job on the
     host's daemon (the socket is mounted; run dirs live at their host path); without it, it cannot."""
-    job = stack.cli("submit", str(REPO / "examples" / "command.yaml"), "-d", "--set", "executor=docker",
-                    "--set", f"image={BASE_IMAGE}", "--set", "retry.max_attempts=1").stdout.strip()
-    done = stack.wait(job)
-    assert (done["status"], done["reason"]) == ("FAILED", "setup_failed") and "Docker" in done["message"]
+    # Without the socket the worker refuses the job at submit: one line naming the field, exit 2.
+    res = stack.cli("submit", str(REPO / "examples" / "command.yaml"), "-d", "--set", "executor=docker",
+                    "--set", f"image={BASE_IMAGE}", "--set", "retry.max_attempts=1", check=False)
+    assert res.returncode == 2, res
+    assert "executor" in res.stderr and "no Docker daemon reachable" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
     sock_gid = str(os.stat("/var/run/docker.sock").st_gid)
     stack.compose_env.update(COMPOSE_FILE="compose.yaml:compose.cpu.yaml:compose.docker.yaml", DOCKER_GID=sock_gid)

@@ -203,7 +203,7 @@ def test_tui_launches_the_app_once_it_exists(runner: CliRunner, monkeypatch: pyt
 
     launched: list[bool] = []
     fake = types.ModuleType("tui.app")
-    fake.main = lambda read_only=False: launched.append(read_only)  # type: ignore[attr-defined]
+    fake.main = lambda read_only=False, **kw: launched.append(read_only)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tui.app", fake)
     result = runner.invoke(app, ["tui", "--read-only"])
     assert result.exit_code == 0, result.output

@@ -468,4 +468,23 @@ def test_submit_shard_job(shard_support: None, cli: CLI, tmp_path: Path) -> None
     res = cli("submit", str(spec), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SUCCEEDED" in res.stderr
-    assert (tmp_path / "shards" / "index.json").exists()
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert (index["format"], index["format_version"]) == ("offload-jobs-shards", 2)  # slabs the engine reads in one go
+    # and the engine streams the model from what the job wrote
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from offload_core import enable_offload
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src)).requires_grad_(False)
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(tmp_path / "shards"), max_memory=0)
+    ref = FluxTransformer2DModel.from_pretrained(src)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 4, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3))
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0], ref(**inputs, return_dict=False)[0])
+    assert handle.stats()["disk_reads"] > 0
+    handle.remove()

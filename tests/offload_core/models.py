@@ -241,6 +241,53 @@ class _MHACall(nn.Module):
         return self.attn(x, x, x, need_weights=False)[0]
 
 
+# ---------------------------------------------------------------- DiT stacks for the GPU tests
+class DiTBlock(nn.Module):
+    """A transformer block at GPU-test widths: LayerNorm, attention (q, k, v, out), GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(d, d) for _ in range(4))
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False)
+        self.ff_in = nn.Linear(d, 4 * d)
+        self.ff_out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, n, self.heads, d // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.to_out(a)
+        return x + self.ff_out(F.gelu(self.ff_in(self.norm2(x))))
+
+
+class DiT(nn.Module):
+    """DiT blocks in a ModuleList, each checkpointed (non-reentrant) when ``ckpt``."""
+
+    def __init__(self, d: int, heads: int, depth: int, ckpt: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DiTBlock(d, heads) for _ in range(depth))
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
+        return x
+
+
+def add_dit_lora(model: nn.Module, r: int) -> None:
+    """peft LoRA of rank r on every DiT linear; the base frozen."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model.requires_grad_(False)
+    cfg = LoraConfig(r=r, lora_alpha=r, init_lora_weights="gaussian",
+                     target_modules=["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"])
+    inject_adapter_in_model(cfg, model)
+
+
+
 # ---------------------------------------------------------------- diffusers models (RECIPES.md)
 def _flux() -> nn.Module:
     from diffusers import FluxTransformer2DModel
@@ -397,9 +444,10 @@ class Trace:
     h2d_bytes: list[int]  # the engine's cumulative counter after each step (empty when resident)
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
-    # On model.parameters(), before the engine is installed, as DiffSynth users do.
-    return torch.optim.AdamW(model.parameters(), lr=lr)
+def make_optimizer(model: nn.Module, lr: float = 1e-3, fused: bool = False) -> torch.optim.Optimizer:
+    # On model.parameters(), before the engine is installed, as DiffSynth users do. fused: torch's
+    # fused kernel (what optimizer offload steps streamed parameters with by default).
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=fused or None)
 
 
 def trainable_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -502,10 +550,10 @@ _REFERENCES: dict[tuple, tuple[Trace, dict[str, torch.Tensor]]] = {}
 
 
 def reference(case: Case, model: nn.Module, *, mode: str, checkpointing: bool, steps: int,
-              accum: int = 1) -> tuple[Trace, dict[str, torch.Tensor]]:
+              accum: int = 1, fused: bool = False) -> tuple[Trace, dict[str, torch.Tensor]]:
     """Train the resident model A once per configuration; later tests reuse the (deterministic) result."""
-    key = (case.name, mode, checkpointing, steps, accum)
+    key = (case.name, mode, checkpointing, steps, accum, fused)
     if key not in _REFERENCES:
-        trace = train(case, model, make_optimizer(model), steps=steps, accum=accum)
+        trace = train(case, model, make_optimizer(model, fused=fused), steps=steps, accum=accum)
         _REFERENCES[key] = (trace, snapshot(model))
     return _REFERENCES[key]

@@ -11,52 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from offload_core import OffloadTrainingManager, enable_offload
+from offload_core_test_models import DiT
+from offload_core_test_models import add_dit_lora as _lora
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
-
-
-class DiTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
-        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(d, d) for _ in range(4))
-        self.norm2 = nn.LayerNorm(d, elementwise_affine=False)
-        self.ff_in = nn.Linear(d, 4 * d)
-        self.ff_out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        h = self.norm1(x)
-        q, k, v = (f(h).view(b, n, self.heads, d // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        x = x + self.to_out(a)
-        return x + self.ff_out(F.gelu(self.ff_in(self.norm2(x))))
-
-
-class DiT(nn.Module):
-    def __init__(self, d: int, heads: int, depth: int, ckpt: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(DiTBlock(d, heads) for _ in range(depth))
-        self.ckpt = ckpt
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
-        return x
-
-
-def _lora(model: nn.Module, r: int) -> None:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    model.requires_grad_(False)
-    cfg = LoraConfig(r=r, lora_alpha=r, init_lora_weights="gaussian",
-                     target_modules=["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"])
-    inject_adapter_in_model(cfg, model)
 
 
 def _frozen_bytes(model: nn.Module) -> int:
@@ -179,7 +140,9 @@ def test_lora_dit_bytes_and_vram() -> None:
         off = _build_big_dit(ckpt)
         trainable = sum(p.numel() * p.element_size() for p in off.parameters() if p.requires_grad)
         rss_model = psutil.Process().memory_info().rss
-        mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block")
+        # the depth pinned: this measures what the smallest ring keeps on the device (at the
+        # default the ring grows into the H200's free memory, keeping weights there on purpose)
+        mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block", prefetch=2)
         rss_after = psutil.Process().memory_info().rss
         opt = torch.optim.AdamW([p for p in off.parameters() if p.requires_grad], lr=1e-4)
         _train_step(off, x, t, opt, mgr)
@@ -322,7 +285,8 @@ def test_optimizer_offload_accumulation_on_cuda() -> None:
     off = copy.deepcopy(ref)
     # Reference keeps weights on the GPU but steps a CPU copy, as the offloaded path does.
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-3)
-    mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o)
+    # the optimizer's own kernel: bitwise the plain AdamW the reference steps on the CPU
+    mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o, fused_cpu_optimizer=False)
     cpu_ref = copy.deepcopy(ref)
     opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3)
     for step in range(5):
@@ -377,7 +341,8 @@ def test_overlapped_optimizer_step_on_cuda() -> None:
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-3)
     mgr = OffloadTrainingManager(off, CUDA, enable_optimizer_cpu_offload=True, optimizer=opt_o,
                                  overlap_optimizer_step=True, gradient_accumulation_steps=2)
-    opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3)
+    # the default fused CPU kernel: bitwise AdamW(fused=True) on the CPU
+    opt_r = torch.optim.AdamW(cpu_ref.parameters(), lr=1e-3, fused=True)
     for step in range(5):
         ref_gpu = copy.deepcopy(cpu_ref).to(CUDA)
         for k in range(2):

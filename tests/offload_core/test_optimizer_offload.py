@@ -1,8 +1,14 @@
 """Optimizer offload: trainable parameters streamed too, an fp32 CPU master, the step on the CPU.
 
-A plain torch AdamW is made on model.parameters() BEFORE the manager; after
+A plain torch AdamW is made on model.parameters() BEFORE the manager (or after it); after
 `mgr.after_backward()` each trainable param's .data is its CPU master and .grad its CPU gradient.
-Compared bitwise with resident training, with gradient accumulation 1 and 4.
+The manager finds the optimizer at its first step and, from the second step on, steps each
+parameter while backward goes on.
+
+- `kernel="own"` (fused_cpu_optimizer=False): the optimizer's own kernel, compared bitwise with
+  resident training under the same plain AdamW.
+- `kernel="fused"` (the default): torch's fused CPU AdamW for the streamed parameters, compared
+  bitwise with resident training under AdamW(fused=True), which is what it computes.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import pytest
 import torch
 
 from offload_core import OffloadTrainingManager
+from offload_core.errors import OptimizerOverlapError
 from offload_core_test_models import (
     CASES,
     assert_state_equal,
@@ -35,14 +42,22 @@ def _check_masters(model: torch.nn.Module) -> None:
 
 
 def _run(name: str, mode: str, checkpointing: bool, accum: int, threshold: float | None, steps: int = STEPS,
-         overlap: bool = False) -> None:
+         overlap: bool | None = None, kernel: str = "own", pass_optimizer: bool = False,
+         tell_accumulation: bool = False) -> OffloadTrainingManager:
     case = CASES[name]
     a = case.build(mode, checkpointing=checkpointing)
     b = copy.deepcopy(a)
-    ref, ref_state = reference(case, a, mode=mode, checkpointing=checkpointing, steps=steps, accum=accum)
+    ref, ref_state = reference(case, a, mode=mode, checkpointing=checkpointing, steps=steps, accum=accum,
+                               fused=kernel == "fused")
 
-    opt = make_optimizer(b)  # before the manager, on model.parameters()
-    extra = dict(optimizer=opt, overlap_optimizer_step=True, gradient_accumulation_steps=accum) if overlap else {}
+    opt = make_optimizer(b)  # before the manager, on model.parameters(); plain AdamW either way
+    extra: dict = {"fused_cpu_optimizer": kernel == "fused"}
+    if overlap is not None:
+        extra["overlap_optimizer_step"] = overlap
+    if pass_optimizer:
+        extra["optimizer"] = opt
+    if tell_accumulation:
+        extra["gradient_accumulation_steps"] = accum
     mgr = OffloadTrainingManager(b, target_device="cpu", enable_optimizer_cpu_offload=True,
                                  cpu_offload_split_threshold=threshold, **extra)
 
@@ -56,22 +71,39 @@ def _run(name: str, mode: str, checkpointing: bool, accum: int, threshold: float
 
     got = train(case, b, opt, steps=steps, accum=accum, after_backward=after_backward, check=_check_masters)
     assert_traces_equal(ref, got)
+    stats = mgr.stats()
     mgr.remove()
     assert_state_equal(ref_state, b, "weights after training and remove()")
+    mgr.final_stats = stats  # type: ignore[attr-defined]
+    return mgr
 
 
 @pytest.mark.parametrize("accum", ACCUM)
 @pytest.mark.parametrize("checkpointing", CKPT)
 def test_toy_full_finetune(checkpointing: bool, accum: int) -> None:
     # DiffSynth's documented example: every weight trainable, the optimizer on the CPU.
-    _run("toy", "full", checkpointing, accum, threshold=None)
+    mgr = _run("toy", "full", checkpointing, accum, threshold=None)
+    st = mgr.final_stats
+    assert st["optimizer_step_overlapped"], st["optimizer_overlap_note"]
+    assert st["gradients_per_step"] == accum  # learned from the first step: nobody told the manager
+
+
+@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("name,mode", [("toy", "full"), ("flux", "adapter")])
+def test_default_fused_kernel_equals_fused_adamw(name: str, mode: str, accum: int) -> None:
+    # The seed's toy as written: no optimizer argument, plain AdamW, defaults. The streamed
+    # parameters are stepped by torch's fused CPU kernel: bitwise AdamW(fused=True).
+    mgr = _run(name, mode, False, accum, threshold=None, steps=8, kernel="fused")
+    st = mgr.final_stats
+    assert st["optimizer_kernel"] == "fused" and st["optimizer_step_overlapped"]
 
 
 @pytest.mark.parametrize("accum", ACCUM)
 @pytest.mark.parametrize("checkpointing", CKPT)
 @pytest.mark.parametrize("name", ["flux", "sd3", "wan", "qwen"])
 def test_diffusers_lora(name: str, checkpointing: bool, accum: int) -> None:
-    _run(name, "adapter", checkpointing, accum, threshold=None)
+    # every LoRA weight is streamed: the default fused kernel steps them all (reference: fused AdamW)
+    _run(name, "adapter", checkpointing, accum, threshold=None, kernel="fused")
 
 
 @pytest.mark.parametrize("accum", ACCUM)
@@ -79,22 +111,29 @@ def test_diffusers_lora(name: str, checkpointing: bool, accum: int) -> None:
 @pytest.mark.parametrize("name", ["toy", "flux"])
 def test_with_split_threshold(name: str, checkpointing: bool, accum: int) -> None:
     # DiffSynth's split mode crashes on non-leaf units; 0.01 MB forces splitting every block.
-    _run(name, "full" if name == "toy" else "adapter", checkpointing, accum, threshold=0.01)
+    _run(name, "full" if name == "toy" else "adapter", checkpointing, accum, threshold=0.01, kernel="fused")
 
 
 @pytest.mark.parametrize("accum", ACCUM)
 @pytest.mark.parametrize("checkpointing", CKPT)
 @pytest.mark.parametrize("name", ["tied", "called_twice", "batchnorm", "orphan_param", "hetero"])
 def test_tricky_tree_full_finetune(name: str, checkpointing: bool, accum: int) -> None:
+    # tied weights stay resident and the user's plain AdamW steps them: the own kernel keeps it exact
     _run(name, "full", checkpointing, accum, threshold=0.01 if accum == 4 else None)
 
 
 @pytest.mark.parametrize("accum", ACCUM)
 @pytest.mark.parametrize("name,mode", [("toy", "full"), ("flux", "adapter")])
-def test_overlapped_step(name: str, mode: str, accum: int) -> None:
-    # Each parameter stepped by the worker as soon as its (last micro-batch) gradient lands; with
-    # accumulation 1 the fp32 gradient is read from its staging buffer directly.
-    _run(name, mode, False, accum, threshold=None, steps=8, overlap=True)
+def test_overlap_from_the_first_step_with_the_optimizer_passed(name: str, mode: str, accum: int) -> None:
+    # overlap_optimizer_step=True with optimizer=: every step, the first included, runs during backward.
+    mgr = _run(name, mode, False, accum, threshold=None, steps=8, overlap=True, pass_optimizer=True,
+               tell_accumulation=True)
+    assert mgr.final_stats["optimizer_step_overlapped"]
+
+
+def test_no_overlap_when_asked() -> None:
+    mgr = _run("toy", "full", False, 1, threshold=None, steps=4, overlap=False)
+    assert not mgr.final_stats["optimizer_step_overlapped"]
 
 
 def test_trainable_bytes_are_streamed() -> None:
@@ -116,7 +155,117 @@ def test_optimizer_argument_with_every_param_is_accepted() -> None:
     b = copy.deepcopy(a)
     ref, _ = reference(case, a, mode="adapter", checkpointing=False, steps=3)
     opt = make_optimizer(b)
-    mgr = OffloadTrainingManager(b, target_device="cpu", enable_optimizer_cpu_offload=True, optimizer=opt)
+    mgr = OffloadTrainingManager(b, target_device="cpu", enable_optimizer_cpu_offload=True, optimizer=opt,
+                                 fused_cpu_optimizer=False)
     got = train(case, b, opt, steps=3, after_backward=mgr.after_backward)
     assert_traces_equal(ref, got)
+    mgr.remove()
+
+
+# ---------------------------------------------------------------- what users do around the step
+def _side_by_side(steps: int, before_step=None, make_scheduler=None, kernel: str = "own", overlap=None,
+                  optimizer_after: bool = False, forget_after_backward: bool = False, accum_at=lambda s: 1):
+    """Resident and offloaded toy, full fine-tune, in lockstep; ``before_step(model, step)`` runs between
+    after_backward and optimizer.step (clipping...). Returns the manager's stats."""
+    case = CASES["toy"]
+    ref = case.build("full")
+    off = copy.deepcopy(ref)
+    opt_r = make_optimizer(ref, fused=kernel == "fused")
+    extra = {} if overlap is None else {"overlap_optimizer_step": overlap}
+    opt_o = None if optimizer_after else make_optimizer(off)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=kernel == "fused",
+                                 **extra)
+    if opt_o is None:
+        opt_o = make_optimizer(off)  # made after the manager, on the same Parameter objects
+    sched_r = make_scheduler(opt_r) if make_scheduler else None
+    sched_o = make_scheduler(opt_o) if make_scheduler else None
+    for step in range(steps):
+        losses: dict[bool, torch.Tensor] = {}
+        for model, opt, sched, offloaded in ((ref, opt_r, sched_r, False), (off, opt_o, sched_o, True)):
+            micro_losses = []
+            for micro in range(accum_at(step)):
+                seed = 1000 + 10 * step + micro
+                loss = case.loss(case.forward(model, case.make_inputs(seed)), seed)
+                loss.backward()
+                micro_losses.append(loss.detach())
+            if offloaded and not forget_after_backward:
+                mgr.after_backward()
+            if before_step is not None:
+                before_step(model, step)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            losses[offloaded] = torch.stack(micro_losses)
+        assert torch.equal(losses[False], losses[True]), f"step {step}: loss differs"
+    stats = mgr.stats()
+    mgr.remove()
+    for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs after training"
+    return stats
+
+
+def _clip(model: torch.nn.Module, step: int) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+
+
+@pytest.mark.parametrize("kernel", ["own", "fused"])
+def test_gradient_clipping_keeps_the_step_after_the_clip(kernel: str) -> None:
+    # clip_grad_norm_ needs every gradient before any step: the first step sees the clip and the
+    # manager never overlaps; every step applies the clipped gradients.
+    stats = _side_by_side(6, before_step=_clip, kernel=kernel)
+    assert not stats["optimizer_step_overlapped"]
+    assert "change" in stats["optimizer_overlap_note"]
+
+
+def test_clipping_that_starts_after_overlap_began_raises() -> None:
+    def late_clip(model: torch.nn.Module, step: int) -> None:
+        if step == 3:
+            _clip(model, step)
+
+    with pytest.raises(OptimizerOverlapError, match="overlap_optimizer_step=False"):
+        _side_by_side(5, before_step=late_clip)
+
+
+def test_overlap_true_with_clipping_raises() -> None:
+    with pytest.raises(OptimizerOverlapError, match="clip"):
+        _side_by_side(3, before_step=_clip, overlap=True)
+
+
+@pytest.mark.parametrize("kernel", ["own", "fused"])
+def test_lr_scheduler_with_overlap(kernel: str) -> None:
+    stats = _side_by_side(6, make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+                          kernel=kernel)
+    assert stats["optimizer_step_overlapped"]
+
+
+def test_optimizer_made_after_the_manager() -> None:
+    assert _side_by_side(4, optimizer_after=True)["optimizer_step_overlapped"]
+
+
+def test_forgotten_after_backward_still_steps_the_masters() -> None:
+    _side_by_side(3, forget_after_backward=True)
+
+
+def test_more_backward_passes_than_the_first_step_showed_raises() -> None:
+    # The first step learns one backward per step; an overlapped step then cannot take a second.
+    with pytest.raises(OptimizerOverlapError, match="gradient_accumulation_steps"):
+        _side_by_side(4, accum_at=lambda s: 2 if s == 2 else 1)
+
+
+def test_fewer_backward_passes_than_learned_are_stepped_in_step() -> None:
+    # learned 2 per step; a step with one is still applied (inside optimizer.step)
+    _side_by_side(4, accum_at=lambda s: 1 if s == 2 else 2)
+
+
+def test_optimizer_state_dict_holds_the_streamed_parameters_state() -> None:
+    case = CASES["toy"]
+    model = case.build("full")
+    opt = make_optimizer(model)
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    train(case, model, opt, steps=3, after_backward=mgr.after_backward)
+    sd = opt.state_dict()
+    assert len(sd["state"]) == len(list(model.parameters()))
+    assert all(float(s["step"]) == 3 for s in sd["state"].values())
+    assert all(s["exp_avg"].device.type == "cpu" for s in sd["state"].values())
     mgr.remove()

@@ -252,7 +252,7 @@ def test_slots_are_free_again_after_lora_steps(checkpointing: bool) -> None:
 
 
 def test_host_buffers_are_page_aligned_and_exact() -> None:
-    from offload_core.arena import host_buffer, pinned_empty
+    from offload_core.hostmem import HostBuffer, host_buffer
 
     for n in (1, 4095, (2 << 20) + 3, 5 << 20):
         buf, raw = host_buffer(n)
@@ -261,5 +261,6 @@ def test_host_buffers_are_page_aligned_and_exact() -> None:
         assert raw.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
         buf.fill_(7)
         assert int(buf.sum()) == 7 * n
-    staging, pinned = pinned_empty(3 << 20, pin=False)
-    assert staging.numel() == 3 << 20 and staging.data_ptr() % 4096 == 0 and not pinned
+    staging = HostBuffer(3 << 20, pin=False)
+    assert staging.tensor.numel() == 3 << 20 and staging.tensor.data_ptr() % 4096 == 0 and not staging.pinned
+    staging.close()

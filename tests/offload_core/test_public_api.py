@@ -9,7 +9,7 @@ import offload_core
 import offload_core.errors
 from offload_core_test_models import CASES
 
-REQUIRED = {"enable_offload", "OffloadConfig", "OffloadHandle", "OffloadTrainingManager"}
+REQUIRED = {"enable_offload", "enable_pipeline_offload", "OffloadConfig", "OffloadHandle", "OffloadTrainingManager"}
 
 
 def test_all_names_importable() -> None:

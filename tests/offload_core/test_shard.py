@@ -1,4 +1,4 @@
-"""offload_core.shard: the checkpoint shard preprocessor, on tiny diffusers models (CPU)."""
+"""offload_core.shard (offload_core.disk): the checkpoint shard preprocessor, on tiny diffusers models (CPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import offload_core.shard as shard
+import offload_core.disk.source as source_mod
+import offload_core.disk.write as write_mod
+from offload_core.disk.errors import ShardChecksumError, ShardFormatError, ShardReadError, ShardWriteError
+from offload_core.disk.grouping import skeleton
+from offload_core.disk.source import SafetensorsSource
 from offload_core.errors import ShardError
 from offload_core.quant import quantize
 from offload_core.shard import shard_checkpoint, verify_shards
@@ -70,6 +74,8 @@ def _load_all(dst: Path) -> dict[str, torch.Tensor]:
     for f in sorted(dst.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
+                if k.startswith("__pad__."):  # alignment padding, indexed so that safetensors reads the file
+                    continue
                 assert k not in out, f"{k} is in two shard files"
                 out[k] = h.get_tensor(k)
     return out
@@ -92,7 +98,7 @@ def test_unit_names_match_discover_units(name: str, tmp_path: Path) -> None:
     summary = shard_checkpoint(src, tmp_path / "out", progress=False)
     index = _index(tmp_path / "out")
     assert list(index["units"]) == _engine_units(name, "block", state)
-    assert index["format"] == "offload-jobs-shards" and index["format_version"] == 1
+    assert index["format"] == "offload-jobs-shards" and index["format_version"] == 2
     assert index["granularity"] == "block" and index["grouping"] == "model"
     # One file per block and one for the rest; every unit names a file that exists.
     blocks = [u for u in index["units"] if any(u.startswith(bl + ".") for bl in index["block_lists"])]
@@ -112,16 +118,19 @@ def test_round_trip_is_bit_exact_from_a_sharded_checkpoint(tmp_path: Path) -> No
     assert loaded.keys() == state.keys()
     for k, v in state.items():
         assert loaded[k].dtype == v.dtype and torch.equal(_bits(loaded[k]), _bits(v)), k
-    # Every tensor's entry (offset, size, sha256) describes the bytes in its file.
+    # Every unit is one 4096-aligned byte range of its file (its slab), and every tensor's entry
+    # (offset in the slab, size) describes its bytes there; the slab's sha256 is the range's.
     index = _index(tmp_path / "out")
     import hashlib
 
     for unit, entry in index["units"].items():
         raw = (tmp_path / "out" / entry["file"]).read_bytes()
+        assert entry["offset"] % 4096 == 0 and len(raw) % 4096 == 0
+        slab = raw[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        assert hashlib.sha256(slab).hexdigest() == entry["sha256"]
         for k, meta in entry["tensors"].items():
-            data = raw[meta["offset"]:meta["offset"] + meta["nbytes"]]
-            assert data == _bits(state[k]).numpy().tobytes(), k
-            assert hashlib.sha256(data).hexdigest() == meta["sha256"]
+            assert meta["offset"] % 64 == 0
+            assert slab[meta["offset"]:meta["offset"] + meta["nbytes"]] == _bits(state[k]).numpy().tobytes(), k
             assert meta["shape"] == list(state[k].shape) and meta["dtype"] == "float32"
     assert summary["bytes"] == sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
     verify_shards(tmp_path / "out")
@@ -138,16 +147,15 @@ def test_streams_one_tensor_at_a_time(flux: tuple[Path, dict], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch, dtype: str | None) -> None:
     import weakref
 
-    real_read = shard._Reader.read
+    real_read = SafetensorsSource.read_into
     alive: list[weakref.ref] = []
 
-    def read(self: Any, t: Any) -> torch.Tensor:
-        assert all(r() is None for r in alive), "a source tensor outlived its write"
-        x = real_read(self, t)
-        alive.append(weakref.ref(x))
-        return x
+    def read_into(self: Any, name: str, out: torch.Tensor) -> torch.Tensor:
+        assert all(r() is None for r in alive), "a tensor read from the source outlived its write"
+        alive.append(weakref.ref(out))
+        return real_read(self, name, out)
 
-    monkeypatch.setattr(shard._Reader, "read", read)
+    monkeypatch.setattr(SafetensorsSource, "read_into", read_into)
     summary = shard_checkpoint(flux[0], tmp_path / "out", dtype=dtype, progress=False)
     assert len(alive) == summary["tensors"] == len(flux[1])
 
@@ -165,8 +173,11 @@ def test_bf16_conversion(flux: tuple[Path, dict], tmp_path: Path) -> None:
     assert index["dtype"] == "bfloat16"
     meta = index["units"]["transformer_blocks.0"]["tensors"]["transformer_blocks.0.attn.to_q.weight"]
     assert meta["dtype"] == "bfloat16" and meta["source_dtype"] == "float32" and "scale" not in meta
-    assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) < 0.6 * sum(
-        v.numel() * 4 for v in state.values())
+    # the slabs halve; the files add at most a page per unit and a header page per file
+    fp32 = sum(v.numel() * 4 for v in state.values())
+    assert sum(e["nbytes"] for e in index["units"].values()) < 0.55 * fp32
+    assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) < (
+        0.55 * fp32 + 4096 * (len(index["units"]) + 2 * len(index["files"])))
 
 
 def test_fp8_stores_quantize_data_and_scales(flux: tuple[Path, dict], tmp_path: Path) -> None:
@@ -205,8 +216,9 @@ def test_resume_skips_finished_files_and_redoes_damaged_ones(flux: tuple[Path, d
     assert (again["written"], again["resumed"], again["written_bytes"]) == (0, first["units"], 0)
     # A damaged file (same size, one byte flipped) is rewritten; the others are not.
     damaged = dst / "transformer_blocks.1.safetensors"
+    entry = _index(dst)["units"]["transformer_blocks.1"]
     raw = bytearray(damaged.read_bytes())
-    raw[-1] ^= 0xFF
+    raw[entry["offset"] + entry["nbytes"] // 2] ^= 0xFF  # inside the slab
     damaged.write_bytes(bytes(raw))
     third = shard_checkpoint(src, dst, progress=False)
     assert (third["written"], third["resumed"]) == (1, first["units"] - 1)
@@ -220,22 +232,22 @@ def test_interrupted_run_leaves_no_partial_files_and_a_rerun_completes(
         flux: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, state = flux
     dst = tmp_path / "out"
-    real_read = shard._Reader.read
+    real_read = SafetensorsSource.read_into
     calls = {"n": 0}
 
-    def read_then_die(self: Any, t: Any) -> torch.Tensor:
+    def read_then_die(self: Any, name: str, out: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
         if calls["n"] == 50:  # in the middle of the third block file
             raise KeyboardInterrupt
-        return real_read(self, t)
+        return real_read(self, name, out)
 
-    monkeypatch.setattr(shard._Reader, "read", read_then_die)
+    monkeypatch.setattr(SafetensorsSource, "read_into", read_then_die)
     with pytest.raises(KeyboardInterrupt):
         shard_checkpoint(src, dst, progress=False)
     assert not list(dst.glob("*.tmp")) and not (dst / "index.json").exists()
     done = sorted(p.name for p in dst.glob("*.safetensors"))
     assert 0 < len(done) < 5
-    monkeypatch.setattr(shard._Reader, "read", real_read)
+    monkeypatch.setattr(SafetensorsSource, "read_into", real_read)
     summary = shard_checkpoint(src, dst, progress=False)
     assert summary["resumed"] == len(done) and summary["written"] == summary["units"] - len(done)
     loaded = _load_all(dst)
@@ -272,8 +284,8 @@ def test_disk_full_is_a_shard_error_and_removes_the_partial_file(
             opened.append(str(path))
         return FullDisk(open(path, mode), 1000 if len(opened) >= 2 else float("inf"))
 
-    monkeypatch.setattr(shard, "open", fake_open, raising=False)
-    with pytest.raises(ShardError, match="no space left") as info:
+    monkeypatch.setattr(write_mod, "open", fake_open, raising=False)
+    with pytest.raises(ShardWriteError, match="no space left") as info:
         shard_checkpoint(flux[0], dst, progress=False)
     assert str(info.value).startswith(opened[1].removesuffix(".tmp") + ":")
     assert not list(dst.glob("*.tmp")) and not (dst / "index.json").exists()
@@ -318,24 +330,19 @@ def test_truncated_source_names_the_file(flux: tuple[Path, dict], tmp_path: Path
 
 def test_failed_tensor_read_names_the_file(flux: tuple[Path, dict], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    real = shard._Reader.handle
+    src = flux[0] / "diffusion_pytorch_model.safetensors"
+    bad = SafetensorsSource.open(flux[0]).tensors["proj_out.weight"].start
+    real = source_mod.os.preadv
 
-    class Failing:  # the header reads fine, one tensor's data does not
-        def __init__(self, h: Any) -> None:
-            self.h = h
+    def preadv(fd: int, bufs: Any, offset: int) -> int:  # the header reads fine, one tensor's data does not
+        if offset == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset)
 
-        def get_tensor(self, name: str) -> torch.Tensor:
-            if name == "proj_out.weight":
-                raise RuntimeError("Input/output error")
-            return self.h.get_tensor(name)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.h, name)
-
-    monkeypatch.setattr(shard._Reader, "handle", lambda self, p: Failing(real(self, p)))
-    with pytest.raises(ShardError, match="cannot read tensor proj_out.weight") as info:
+    monkeypatch.setattr(source_mod.os, "preadv", preadv)
+    with pytest.raises(ShardError, match="cannot read tensor proj_out.weight: Input/output error") as info:
         shard_checkpoint(flux[0], tmp_path / "out", progress=False)
-    assert str(flux[0] / "diffusion_pytorch_model.safetensors") in str(info.value)
+    assert str(info.value).startswith(str(src) + ":")
     assert not list((tmp_path / "out").glob("*.tmp")) and not (tmp_path / "out" / "index.json").exists()
 
 
@@ -376,25 +383,71 @@ def test_unwritable_dst(flux: tuple[Path, dict], tmp_path: Path) -> None:
 def test_verify_catches_tampering(flux: tuple[Path, dict], tmp_path: Path) -> None:
     dst = tmp_path / "out"
     shard_checkpoint(flux[0], dst, progress=False)
+    assert verify_shards(dst)["slabs"] == 12
     f = dst / "single_transformer_blocks.0.safetensors"
+    entry = _index(dst)["units"]["single_transformer_blocks.0"]
     raw = bytearray(f.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
+    raw[entry["offset"] + entry["nbytes"] // 2] ^= 0x01
     f.write_bytes(bytes(raw))
-    with pytest.raises(ShardError, match="sha256") as info:
+    with pytest.raises(ShardChecksumError, match="sha256") as info:
+        verify_shards(dst)
+    assert str(info.value).startswith(str(f) + ":") and "single_transformer_blocks.0" in str(info.value)
+    f.write_bytes(bytes(raw[:-8]))
+    with pytest.raises(ShardReadError, match="bytes") as info:
         verify_shards(dst)
     assert str(f) in str(info.value)
-    f.write_bytes(bytes(raw[:-8]))
-    with pytest.raises(ShardError, match="bytes") as info:
+    f.unlink()
+    with pytest.raises(ShardReadError, match="missing") as info:
         verify_shards(dst)
     assert str(f) in str(info.value)
     index = _index(dst)
     del index["units"]
     (dst / "index.json").write_text(json.dumps(index))
-    with pytest.raises(ShardError, match="malformed"):
+    with pytest.raises(ShardFormatError, match="malformed"):
         verify_shards(dst)
     (dst / "index.json").unlink()
-    with pytest.raises(ShardError, match="index.json"):
+    with pytest.raises(ShardFormatError, match="index.json"):
         verify_shards(dst)
+
+
+def test_header_is_checked_too(flux: tuple[Path, dict], tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    shard_checkpoint(flux[0], dst, progress=False)
+    f = dst / "transformer_blocks.0.safetensors"
+    raw = bytearray(f.read_bytes())
+    at = raw.index(b"transformer_blocks.0.attn.to_q.weight")
+    raw[at] = ord("X")  # a renamed tensor, same size
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ShardChecksumError, match="header") as info:
+        verify_shards(dst)
+    assert str(f) in str(info.value)
+
+
+@pytest.mark.parametrize("version, words", [(1, "Re-shard the checkpoint"), (99, "upgrade offload-jobs or re-shard"),
+                                            ("2", "is not one this offload-jobs reads")])
+def test_other_format_versions_are_refused_by_name(flux: tuple[Path, dict], tmp_path: Path, version: Any,
+                                                   words: str) -> None:
+    dst = tmp_path / "out"
+    shard_checkpoint(flux[0], dst, progress=False)
+    index = _index(dst)
+    index["format_version"] = version
+    (dst / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ShardFormatError, match=words) as info:
+        verify_shards(dst)
+    assert str(info.value).startswith(str(dst / "index.json") + ":") and "\n" not in str(info.value)
+
+
+def test_a_v1_directory_is_rewritten_in_place(flux: tuple[Path, dict], tmp_path: Path) -> None:
+    """A directory sharded by the v1 writer (same file names, other layout) re-shards cleanly."""
+    dst = tmp_path / "out"
+    shard_checkpoint(flux[0], dst, progress=False)
+    index = _index(dst)
+    index["format_version"] = 1
+    (dst / "index.json").write_text(json.dumps(index))
+    (dst / ".progress.json").write_text(json.dumps({"fingerprint": {"format_version": 1}, "files": {}}))
+    summary = shard_checkpoint(flux[0], dst, progress=False)
+    assert summary["resumed"] == 0 and _index(dst)["format_version"] == 2
+    verify_shards(dst)
 
 
 # ------------------------------------------------------------------ single-file checkpoints
@@ -425,6 +478,10 @@ def test_single_file_with_a_config_uses_the_model(flux: tuple[Path, dict], tmp_p
 
 
 def test_block_lists_from_names() -> None:
+    """A checkpoint without a config: units.py finds the block lists on a skeleton made from the names."""
     names = ["blocks.0.a.weight", "blocks.1.a.weight", "proj.0.weight", "head.weight",
-             "enc.layers.0.w", "enc.layers.1.w", "pos.0", "pos.1", "one.0.w"]
-    assert shard._find_block_lists(names) == ["blocks", "enc.layers"]
+             "enc.layers.0.w", "enc.layers.1.w", "pos.0", "pos.1", "one.0.w", "blocks.10.a.weight"]
+    tensors = {n: source_mod.SourceTensor(n, Path("x.safetensors"), torch.float32, [2, 2], 0, 16) for n in names}
+    plan = discover_units(skeleton(tensors), "block")
+    assert plan.block_lists == ["blocks", "enc.layers"]
+    assert [u.name for u in plan.units][:4] == ["blocks.0", "blocks.1", "blocks.10", "enc.layers.0"]

@@ -8,11 +8,12 @@ same rounding (``fake_quantize``); the two must agree bit for bit.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
-from offload_core import enable_offload
+from offload_core import LossyStorageWarning, enable_offload
 from offload_core.quant import fake_quantize
 from offload_core_test_models import CASES, assert_bitwise, infer
 
@@ -37,7 +38,12 @@ def test_fp8_storage_matches_fake_quantized_resident(name: str, granularity: str
     got = infer(case, off, (0,))[0]
     rel = ((got.double() - full.double()).norm() / full.double().norm()).item()
     assert 0 < rel < 0.25, rel
-    h.remove()
+    # state_dict() while offloaded: the values the model computes with (fp8-rounded, widened)
+    for (n, a), (_, b) in zip(ref.state_dict().items(), off.state_dict().items()):
+        assert torch.equal(a, b), f"{n}: state_dict() while offloaded must give the widened weights"
+    with pytest.warns(LossyStorageWarning, match="float8_e4m3fn") as record:
+        h.remove()
+    assert len(record) == 1, "remove() warns once, not per tensor"
     for (n, a), (_, b) in zip(ref.state_dict().items(), off.state_dict().items()):
         assert torch.equal(a, b), f"{n}: remove() must give back the widened weights"
 
@@ -51,7 +57,17 @@ def test_bf16_storage_of_an_fp32_model() -> None:
     assert_bitwise(infer(case, ref), infer(case, off), "toy bf16-stored output")
     st = h.stats()
     assert st["pinned_used_bytes"] <= 0.55 * st["streamed_bytes"]
-    h.remove()
+    with pytest.warns(LossyStorageWarning, match="bfloat16"):
+        h.remove()
+
+
+def test_lossless_storage_does_not_warn() -> None:
+    case = CASES["toy"]
+    model = case.build("frozen").to(torch.bfloat16)
+    h = enable_offload(model, target_device="cpu", weight_dtype="float32")  # widening bf16 is exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyStorageWarning)
+        h.remove()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,0 +1,128 @@
+"""UnitReader: one unit's slab read from its shard file in one large read, checked against the index.
+
+Where the filesystem allows it, the file is opened with O_DIRECT and the read lands straight in a
+page-aligned (pinned) slab: no page cache, so the kernel does not hold a second copy of what the
+cache holds. Offsets, lengths and buffers are all 4096-aligned (the format guarantees the first
+two; ``HostPool`` the third). Elsewhere (tmpfs, some network filesystems) a buffered read is
+followed by ``posix_fadvise(DONTNEED)`` on the range.
+
+Each read checks the file's size against the index (a truncated or replaced file) and, with
+``verify=True``, the slab's sha256. Files are opened per read: a shard deleted while a run goes on
+is an error on its next read, not bytes read from an unlinked inode.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .errors import ShardChecksumError, ShardReadError, one_line
+from .format import FILE_ALIGN, ShardIndex, SlabEntry, TensorEntry
+from .source import writable_buffer
+
+__all__ = ["UnitReader"]
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_MAX_READ = 1 << 30  # per syscall (Linux caps a read near 2 GiB)
+
+
+class UnitReader:
+    def __init__(self, index: ShardIndex, *, direct: bool | None = None, verify: bool = False) -> None:
+        """direct: True insists on O_DIRECT where it opens, False never uses it, None (default) tries it."""
+        self.index = index
+        self.root = index.root
+        self.verify = verify
+        self.direct = _O_DIRECT != 0 and direct is not False
+        self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
+        self._lock = threading.Lock()
+
+    def _open(self, path: Path, direct: bool) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            raise ShardReadError(f"{path}: missing (deleted or moved since the index was written)") from None
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise
+            raise ShardReadError(f"{path}: cannot open: {exc.strerror or one_line(exc)}") from None
+
+    def read_into(self, entry: SlabEntry, buf: torch.Tensor) -> tuple[int, bool]:
+        """Read ``entry``'s slab into ``buf`` (uint8, at least ``entry.read_nbytes`` for O_DIRECT).
+
+        Returns the bytes read from the disk and whether the read was O_DIRECT. Raises
+        ShardReadError / ShardChecksumError naming the file.
+        """
+        path = self.root / entry.file
+        aligned = buf.data_ptr() % FILE_ALIGN == 0 and buf.numel() >= entry.read_nbytes
+        direct = self.direct and aligned and entry.file not in self._no_direct
+        try:
+            fd = self._open(path, direct)
+        except OSError:  # EINVAL: this filesystem has no O_DIRECT
+            with self._lock:
+                self._no_direct.add(entry.file)
+            direct = False
+            fd = self._open(path, False)
+        try:
+            size = os.fstat(fd).st_size
+            want = self.index.files.get(entry.file)
+            if want is not None and size != want:
+                raise ShardReadError(f"{path}: {size} bytes, the index says {want} (truncated or replaced; re-shard)")
+            length = entry.read_nbytes if direct else entry.nbytes
+            try:
+                self._pread(fd, buf[:length], entry.offset, path, entry.name)
+            except ShardReadError:
+                raise
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise ShardReadError(f"{path}: cannot read unit {entry.name}: {exc.strerror or one_line(exc)}") from None
+                with self._lock:  # the device wants a larger alignment than 4096: read buffered from now on
+                    self._no_direct.add(entry.file)
+                direct, length = False, entry.nbytes
+                self._pread(fd, buf[:length], entry.offset, path, entry.name)
+            if not direct and hasattr(os, "posix_fadvise"):
+                try:
+                    os.posix_fadvise(fd, entry.offset, entry.read_nbytes, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        if self.verify:
+            self.check(entry, buf, path)
+        return length, direct
+
+    @staticmethod
+    def _pread(fd: int, buf: torch.Tensor, offset: int, path: Path, unit: str) -> None:
+        view = writable_buffer(buf)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done: done + _MAX_READ]], offset + done)
+            if n == 0:
+                raise ShardReadError(f"{path}: truncated: unit {unit} needs bytes {offset}..{offset + len(view)}, "
+                                     f"the file ends at {offset + done}")
+            done += n
+
+    def check(self, entry: SlabEntry, buf: torch.Tensor, path: Path | None = None) -> None:
+        if hashlib.sha256(writable_buffer(buf[: entry.nbytes])).hexdigest() != entry.sha256:
+            raise ShardChecksumError(f"{path or self.root / entry.file}: unit {entry.name} does not match its sha256 "
+                                     "in the index (the file changed since it was written; re-shard or verify_shards)")
+
+    def read_tensor(self, entry: SlabEntry, t: TensorEntry) -> torch.Tensor:
+        """One tensor of a slab, typed and shaped, in a fresh buffer (a buffered read of its bytes only)."""
+        path = self.root / entry.file
+        out = torch.empty(t.shape, dtype=t.dtype)
+        fd = self._open(path, False)
+        try:
+            raw = out.view(-1).view(torch.uint8) if out.numel() else out
+            self._pread(fd, raw, entry.offset + t.offset, path, f"{entry.name} (tensor {t.name})")
+        except ShardReadError:
+            raise
+        except OSError as exc:
+            raise ShardReadError(f"{path}: cannot read tensor {t.name}: {exc.strerror or one_line(exc)}") from None
+        finally:
+            os.close(fd)
+        return out

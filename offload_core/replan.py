@@ -1,0 +1,171 @@
+"""Replanner: measure a running engine's cycles, ask the planner, and apply the plan it returns.
+
+The first cycles run as set up, on the smallest ring. At the third cycle start the engine has one
+traced cycle timed (each use's busy time, the copy rate) and the device's peak over the first two:
+
+- with a ``vram_budget``, ``planner.plan_budget`` spends it (what the rest of the process peaked
+  at is set aside first); a budget that cannot even hold the smallest ring raises at the second
+  cycle start, as soon as one cycle has been measured;
+- without one, on a card, with the prefetch depth not pinned and the cycles training steps,
+  ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
+  growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
+  ring goes back. Inference keeps its ring: a pipeline needs the card's free memory for what runs
+  after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
+
+The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
+peak it reads is this model's (activations and all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import device, planner
+
+__all__ = ["Replanner"]
+
+
+class Replanner:
+    def __init__(self, e: Any) -> None:
+        self.e = e
+        cfg = e.config
+        self.depth0 = e.schedule.depth
+        self.slots0 = len(e.ring.slots)
+        self.budget = cfg.vram_budget
+        # a device with a memory limit to grow into (a card; None on the CPU)
+        self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
+                     and e.ring.slot_bytes > 1 and device.limit_bytes(e.device) is not None)
+        self.active = e.timing is not None and (self.budget is not None or self.grow)
+        self.training = True  # every cycle so far ran its forward with grad enabled
+        self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
+        self.grown_at = 0  # the cycle at whose start the last growth was applied
+        self.rounds = 0
+
+    # ------------------------------------------------------------------ measuring
+    def measure(self) -> planner.Measurements | None:
+        """The traced cycle as the planner sees it: busy time per use, copy time per unit, device bytes."""
+        e = self.e
+        if e.timing is None or not e.schedule.trace:
+            return None
+        e.timing.resolve(block=True)
+        h2d_ms = e.timing.total_ms.get("h2d", 0.0)
+        if h2d_ms <= 0 or e.counters.h2d_bytes <= 0:
+            return None
+        per_ms = e.counters.h2d_bytes / h2d_ms
+        trace = tuple(e.schedule.trace)
+        ring = e.ring
+        fixed = e.resident_device_bytes()
+        return planner.Measurements(
+            trace=trace, spans=tuple(e.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))),
+            copy_ms={u.uid: u.store_nbytes / per_ms for u in e.streamed}, nbytes={u.uid: u.nbytes for u in e.streamed},
+            slot_bytes=ring.slot_bytes, slots=len(ring.slots), depth=e.schedule.depth, sticky=frozenset(ring.sticky),
+            candidates=frozenset(u.uid for u in e.streamed if not u.trainable),
+            forced=frozenset(uid for uid in ring.sticky if e.units[uid].nbytes > ring.slot_bytes),
+            stale=frozenset(u.uid for u in e.streamed if u.trainable), fixed_bytes=fixed,
+            engine_bytes=fixed + ring.capacity_bytes + ring.sticky_bytes,
+            peak_bytes=device.peak_bytes(e.device), limit_bytes=device.limit_bytes(e.device))
+
+    def predict(self) -> float | None:
+        m = self.measure()
+        return None if m is None else planner.predict(m)
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, plan: planner.Plan) -> None:
+        """Make ``plan`` the one in force: sticky units, ring slots, prefetch depth."""
+        e = self.e
+        e.synchronize()  # no copy may still be landing in a buffer the new plan frees
+        for uid in list(e.ring.sticky):
+            if uid not in plan.sticky:
+                e.ring.drop_sticky(uid)
+                e.units[uid].sticky = False
+        for uid in sorted(plan.sticky):
+            if uid not in e.ring.sticky:
+                e.units[uid].sticky = True
+                e.ring.add_sticky(uid, e.units[uid].nbytes)
+        e.ring.resize(plan.slots, keep=e.bound_uids())
+        e.schedule.depth = plan.depth
+        moving = [u for u in e.streamed if not u.sticky]
+        e.prediction.update(
+            plan.info(), sticky_units=len(plan.sticky), streamed_units=len(moving),
+            streamed_bytes=sum(u.nbytes for u in moving), sticky_bytes=sum(e.units[u].nbytes for u in plan.sticky),
+            extra_slots=len(e.ring.slots) - self.slots0, depth=plan.depth)
+        e.refill()  # what the new plan no longer keeps: fetch the first units now
+
+    # ------------------------------------------------------------------ when
+    def at_cycle_start(self) -> None:
+        if not self.active:
+            return
+        e, k = self.e, self.e.schedule.cycles
+        self.training &= torch.is_grad_enabled()
+        if k == 1:
+            device.reset_peak(e.device)  # from here on the peak is this model's: its activations and the ring
+            return
+        # Stalls are kept per cycle, so only a decision point resolves (and so waits for the device):
+        # a cycle that follows a host wait is not the one whose stall is read.
+        if k == 2 and self.budget is not None:
+            m = self.measure()
+            if m is not None and m.peak_bytes is not None:
+                planner.budget_room(m, self.budget)  # raises now if even the smallest ring cannot fit
+        elif k == 3 and e.schedule.learned:
+            m = self.measure()
+            if m is None:
+                self.active = False
+            elif self.budget is not None:
+                self.apply(planner.plan_budget(m, self.budget, grow_depth=e.config.prefetch is None))
+                self.active = False
+            else:
+                self._grow(m, k)
+        elif self.before is not None and k == self.grown_at + 2:
+            # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
+            # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
+            e.timing.resolve(block=True)
+            was, now = self.cycle_stall(self.grown_at - 1), self.cycle_stall(k - 1)
+            e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now)
+            if now > was - max(0.5, 0.02 * was):
+                self.apply(self.before)
+                e.prediction["chosen_by"] = ("smallest ring (growth did not cut the measured stall)"
+                                             if self.rounds == 1 else "free memory (the last growth bought nothing)")
+                self.before = None
+                self.active = False
+            elif self.rounds < self.MAX_ROUNDS and e.prediction.get("chosen_by") == "free memory (measured stall)":
+                m = self.measure()
+                if m is None or not self._grow(m, k):
+                    self.before = None
+                    self.active = False
+            else:
+                self.before = None
+                self.active = False
+
+    MAX_ROUNDS = 3  # growths tried one after the other while the measured stall keeps falling
+
+    def _grow(self, m: planner.Measurements, k: int) -> bool:
+        """Try a deeper ring (evaluated two cycles on); False when there is nothing to try."""
+        e = self.e
+        stall = self.cycle_stall(k - 1)
+        margin = self.margin(m)
+        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall) if self.training else None
+        e.prediction.update(growth_room_slots=planner.growth_room(m, margin), growth_measured_stall_ms=stall,
+                            growth_busy_ms=sum(m.spans))
+        if plan is None:
+            if self.rounds == 0:
+                e.prediction["growth"] = "none: " + ("inference keeps its ring" if not self.training
+                                                     else "no free memory, or no stall to take away")
+            self.active = self.before is not None
+            return False
+        self.before = planner.Plan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
+                                   "smallest ring" if self.rounds == 0 else "free memory")
+        self.rounds += 1
+        self.grown_at = k
+        self.apply(plan)
+        return True
+
+    def cycle_stall(self, cycle: int) -> float:
+        """Measured stall ms of one cycle (resolved timings only)."""
+        return self.e.timing.cycle_ms.get(("stall", cycle), 0.0)
+
+    def margin(self, m: planner.Measurements) -> int:
+        if self.e.config.vram_margin is not None:
+            return int(self.e.config.vram_margin)
+        return max(512 << 20, int(0.05 * (m.limit_bytes or 0)))

@@ -1,0 +1,181 @@
+"""Transfer: every copy between host and device, the streams it runs on and the events that order it.
+
+- H2D: a unit's slab into its slot, on the copy stream (or, for a unit stored narrower, into a raw
+  buffer, then widened into the slot on the convert stream). The compute stream waits on the
+  slot's ``ready`` event; the copy waits for whatever the slot's last owner still had queued.
+- D2H: one primitive, ``d2h``: after the compute stream's current point, on the D2H stream, with a
+  ``done`` event. Gradients (optimizer offload) and write-back of in-place-updated buffers use it.
+- Write-back: a unit's dirty buffers back into its host master; a later load of the unit waits
+  for it, and reading the masters (state_dict) first calls ``flush``.
+
+Without streams (the CPU, or ``use_streams=False``) the same calls copy synchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .slots import Slot
+from .stats import CopyClock, Counters, TimingLog
+from .quant import UnitWidener
+from .units import Unit
+
+__all__ = ["Transfer"]
+
+
+class Transfer:
+    def __init__(self, device: torch.device, *, use_streams: bool, timing: TimingLog | None, counters: Counters,
+                 widener: UnitWidener) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.use_streams = bool(use_streams and self.is_cuda)
+        self.timing = timing
+        self.counters = counters
+        self.widener = widener
+        self._raw_free: list[Any] = [None, None]
+        self._raw_turn = 0
+        self._writeback: dict[int, Any] = {}  # uid -> event: its buffers are on their way to the host
+        self.h2d_stream = self.d2h_stream = self.convert_stream = None
+        if self.use_streams:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.convert_stream = torch.cuda.Stream(device) if widener.raw else None
+        # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
+        self.clock = None
+        if self.is_cuda and timing is not None:
+            self.clock = CopyClock(timing, self.h2d_stream if self.use_streams else torch.cuda.current_stream(device))
+
+    @property
+    def streams(self) -> tuple:
+        return tuple(s for s in (self.h2d_stream, self.d2h_stream, self.convert_stream) if s is not None)
+
+    def compute_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def mark(self, stream: Any = None) -> Any:
+        """A timing event recorded now on ``stream`` (default: the compute stream)."""
+        ev = self.timing.event()
+        if self.is_cuda:
+            ev.record(stream if stream is not None else self.compute_stream())
+        else:
+            ev.record()
+        return ev
+
+    # ------------------------------------------------------------------ H2D
+    def load(self, u: Unit, slot: Slot, src: torch.Tensor) -> Any:
+        """Copy u's slab ``src`` into ``slot``. Returns the event after which the copy stream is done
+        reading ``src`` (None when the copy was synchronous)."""
+        if self.use_streams:
+            read = self._load_async(u, slot, src)
+        else:
+            self._load_sync(u, slot, src)
+            read = None
+        self.counters.h2d_bytes += u.store_nbytes
+        self.counters.h2d_count += 1
+        return read
+
+    def _load_async(self, u: Unit, slot: Slot, src: torch.Tensor) -> Any:
+        h2d = self.h2d_stream
+        freed = torch.cuda.Event()
+        freed.record(self.compute_stream())
+        # Whatever overwrites the slot waits for the kernels queued against its old owner.
+        writer = self.convert_stream if u.converted else h2d
+        writer.wait_event(freed)
+        for ev in slot.done:
+            writer.wait_event(ev)
+        slot.done = []
+        wb = self._writeback.pop(u.uid, None)
+        if wb is not None:
+            h2d.wait_event(wb)
+        if u.converted:
+            b = self._raw_turn
+            self._raw_turn ^= 1
+            if self._raw_free[b] is not None:
+                h2d.wait_event(self._raw_free[b])
+            dst = self.widener.raw[b][: u.store_nbytes]
+        else:
+            dst = slot.buf[: u.nbytes]
+        with torch.cuda.stream(h2d):
+            clock = self.clock
+            a = clock.start(h2d) if clock is not None else None
+            dst.copy_(src, non_blocking=True)
+            if a is not None:
+                clock.submitted()
+                self.timing.add("h2d", u.uid, a, self.mark(h2d))
+            read = ready = torch.cuda.Event()
+            ready.record(h2d)
+        if u.converted:
+            conv = self.convert_stream
+            conv.wait_event(ready)
+            with torch.cuda.stream(conv):
+                self.widener.widen(u, b, slot.buf)
+                ready = torch.cuda.Event()
+                ready.record(conv)
+            self._raw_free[b] = ready
+        slot.ready = ready
+        return read
+
+    def _load_sync(self, u: Unit, slot: Slot, src: torch.Tensor) -> None:
+        # Serial on purpose (streams off): the host waits for each copy before going on.
+        clock = self.clock
+        stream = self.compute_stream() if self.is_cuda else None
+        if clock is not None:
+            a = clock.start(stream)
+        else:
+            a = self.mark() if self.timing is not None else None
+        dst = self.widener.raw[0][: u.store_nbytes] if u.converted else slot.buf[: u.nbytes]
+        dst.copy_(src, non_blocking=stream is not None)
+        if clock is not None:
+            clock.submitted()
+        if a is not None:
+            self.timing.add("h2d", u.uid, a, self.mark())
+        if stream is not None:
+            stream.synchronize()
+        if u.converted:
+            self.widener.widen(u, 0, slot.buf)
+        slot.ready = None
+
+    # ------------------------------------------------------------------ D2H
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy device tensor ``src`` into host ``dst`` once the compute stream has produced it.
+
+        Returns the event that marks the copy done (None when it was synchronous). ``src`` is kept
+        alive for the copy stream (``record_stream``), so the caller may drop it at once.
+        """
+        n = src.numel() * src.element_size()
+        self.counters.d2h_bytes += n
+        self.counters.d2h_count += 1
+        if not self.use_streams:
+            dst.copy_(src)
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute_stream())
+        self.d2h_stream.wait_event(ev)
+        with torch.cuda.stream(self.d2h_stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        src.record_stream(self.d2h_stream)
+        return done
+
+    def write_back(self, u: Unit, dirty: list, master: torch.Tensor, slot: Slot | None) -> None:
+        """Copy in-place-updated buffers (running stats, counters) back into the unit's host master."""
+        done = None
+        for ts, view in dirty:
+            done = self.d2h(master[ts.store_offset: ts.store_offset + ts.nbytes], view.reshape(-1).view(torch.uint8))
+        if done is not None:
+            self._writeback[u.uid] = done
+            if slot is not None:
+                slot.done.append(done)  # nothing overwrites the slot before its bytes are out
+
+    def flush(self) -> None:
+        """Wait until every write-back has landed in the host masters."""
+        for ev in list(self._writeback.values()):
+            ev.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for every copy this engine queued (the streams and the compute stream)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,37 @@
+"""`offload:` in a job spec mirrors the engine's OffloadConfig: a key added to one and not the other
+fails here instead of being silently unreachable from YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from offload_core import OffloadConfig
+
+from jobs.spec import OffloadSpec
+
+# Engine keys a job spec does not take under `offload:`, and why.
+NOT_IN_SPEC = {
+    "debug_host_delay_ms": "test-only race shaker",
+    "record_timings": "bench-only switch",
+    "use_streams": "bench-only serial baseline",
+    "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
+    "weights": "set by the runners: model.path's transformer is read into the engine",
+}
+
+
+def test_offload_spec_names_every_engine_key() -> None:
+    config = {f.name for f in dataclasses.fields(OffloadConfig)}
+    spec = set(OffloadSpec.model_fields)
+    assert spec <= config, f"spec keys the engine does not know: {sorted(spec - config)}"
+    assert config - spec == set(NOT_IN_SPEC), f"engine keys missing from the spec: {sorted(config - spec - set(NOT_IN_SPEC))}"
+
+
+def test_every_spec_key_reaches_the_engine() -> None:
+    values = {"target_device": "cpu", "vram_margin": "1GiB", "overlap_optimizer_step": False,
+              "fused_cpu_optimizer": False, "split_threshold_mb": 8.0, "treat_as_inference": True, "prefetch": 3,
+              "lazy_load": True, "shard_dir": "/shards", "max_memory": "6GiB", "num_disk_workers": 4,
+              "disk_cache_policy": "lru", "disk_verify": True, "disk_direct": False, "disk_stream_slots": 3}
+    cfg = OffloadConfig.from_overrides(**OffloadSpec(**values).engine_kwargs())
+    assert cfg.vram_margin == 1 << 30 and cfg.prefetch == 3 and cfg.fused_cpu_optimizer is False
+    assert (cfg.lazy_load, cfg.max_memory, cfg.disk_cache_policy, cfg.disk_verify, cfg.disk_direct,
+            cfg.disk_stream_slots) == (True, 6 << 30, "lru", True, False, 3)

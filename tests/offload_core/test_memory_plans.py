@@ -1,0 +1,218 @@
+"""The ring sized from device memory: growth into free VRAM (no budget), and vram_budget as a bound.
+
+The planner is a pure function of measurements, so most of this runs on made-up numbers. The
+engine-level tests emulate a card on the CPU by standing in for the device's memory readings
+(offload_core.device: limit and peak), and check that whatever the plan, results stay bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from offload_core import OffloadTrainingManager, VramBudgetError, enable_offload
+from offload_core import device as device_mod
+from offload_core.config import OffloadConfig
+from offload_core.planner import Measurements, budget_room, plan_budget, plan_growth, simulate
+from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
+
+MiB = 1 << 20
+
+
+def _turnaround(n: int = 8, fwd: float = 1.0, bwd: float = 6.0, copy: float = 4.0, **kw) -> Measurements:
+    """A training cycle: forward 0..n-1 (copy-bound), then backward n-1..0 (compute-bound)."""
+    trace = tuple(range(n)) + tuple(reversed(range(n)))
+    defaults = dict(trace=trace, spans=(fwd,) * n + (bwd,) * n, copy_ms={u: copy for u in range(n)},
+                    nbytes={u: 100 * MiB for u in range(n)}, slot_bytes=100 * MiB, slots=3, depth=2,
+                    sticky=frozenset(), candidates=frozenset(range(n)), forced=frozenset(),
+                    fixed_bytes=0, engine_bytes=300 * MiB, peak_bytes=1000 * MiB, limit_bytes=None)
+    defaults.update(kw)
+    return Measurements(**defaults)
+
+
+# ---------------------------------------------------------------- growth, from numbers
+def test_growth_needs_a_device_limit() -> None:
+    assert plan_growth(_turnaround(), margin=0) is None  # the CPU: nothing to grow into
+
+
+def test_growth_deepens_the_ring_while_the_simulated_stall_falls() -> None:
+    m = _turnaround(limit_bytes=100_000 * MiB)
+    plan = plan_growth(m, margin=512 * MiB)
+    assert plan is not None and plan.slots > 3 and plan.depth == plan.slots - 1
+    assert plan.predicted_ms < plan.start_ms
+    # no more slots than buy something: one fewer would be measurably slower, and it never passes
+    # the number of streamed units
+    fewer = simulate(m.trace, m.spans, m.copy_ms, plan.slots - 1, plan.slots - 2)
+    assert fewer > plan.predicted_ms * 1.001 and plan.slots <= 8
+
+
+def test_growth_keeps_the_margin_free() -> None:
+    # limit 1600 MiB, peak 1000 MiB, margin 300 MiB: room for 3 more slots of 100 MiB, not the 5 it would like
+    m = _turnaround(limit_bytes=1600 * MiB)
+    plan = plan_growth(m, margin=300 * MiB)
+    assert plan is not None and plan.slots == 6
+    assert plan.device_bytes - m.engine_bytes == 3 * 100 * MiB
+    assert plan_growth(_turnaround(limit_bytes=1300 * MiB), margin=300 * MiB) is None  # no room at all
+
+
+def test_no_growth_when_more_slots_do_not_help() -> None:
+    # inference, copy-bound everywhere: a ring that cannot hold nearly the whole cycle keeps nothing
+    # from one forward to the next, so the two slots there is room for buy nothing
+    m = _turnaround(limit_bytes=1200 * MiB, trace=tuple(range(8)), spans=(1.0,) * 8)
+    assert plan_growth(m, margin=0) is None
+    # with room for the whole model it is a cache: seven slots keep seven of the eight units
+    big = plan_growth(_turnaround(limit_bytes=100_000 * MiB, trace=tuple(range(8)), spans=(1.0,) * 8), margin=0)
+    assert big is not None and big.predicted_ms < big.start_ms / 2
+
+
+def test_stale_units_are_never_cache_hits_across_cycles() -> None:
+    trace = list(range(4)) + list(reversed(range(4)))
+    copy_ms = {u: 4.0 for u in range(4)}
+    spans = [1.0] * 4 + [6.0] * 4
+    fresh = simulate(trace, spans, copy_ms, slots=4, prefetch=3)
+    stale = simulate(trace, spans, copy_ms, slots=4, prefetch=3, stale=set(range(4)))
+    assert fresh == pytest.approx(sum(spans))  # four slots keep all four units
+    assert stale > fresh  # optimizer-offloaded units change every step: they cross again
+
+
+# ---------------------------------------------------------------- the budget, from numbers
+def test_budget_sets_the_measured_rest_of_the_process_aside() -> None:
+    # peak 1000 MiB with the engine holding 300: 700 MiB is activations and the rest
+    m = _turnaround()
+    assert budget_room(m, 1200 * MiB) == 500 * MiB
+    plan = plan_budget(m, 1200 * MiB, grow_depth=True)
+    assert plan.other_bytes == 700 * MiB
+    assert plan.device_bytes <= 500 * MiB  # the ring and sticky units within what is left
+    assert plan.other_bytes + plan.device_bytes <= 1200 * MiB
+
+
+def test_a_budget_that_cannot_hold_the_ring_and_the_activations_says_so() -> None:
+    with pytest.raises(VramBudgetError, match=r"vram_budget: .*activations.*peaked at 700\.00 MiB"):
+        plan_budget(_turnaround(), 900 * MiB, grow_depth=False)
+
+
+def test_extra_slots_deepen_the_prefetch_unless_it_is_pinned() -> None:
+    m = _turnaround()
+    grown = plan_budget(m, 1000 * MiB + 600 * MiB, grow_depth=True)
+    pinned = plan_budget(m, 1000 * MiB + 600 * MiB, grow_depth=False)
+    assert pinned.depth == 2
+    if grown.slots > 3:
+        assert grown.depth == grown.slots - 1
+
+
+# ---------------------------------------------------------------- the engine, on an emulated card
+@pytest.fixture
+def card(monkeypatch: pytest.MonkeyPatch):
+    """A device with 1 GiB for this process and a peak reading, for the engine on the CPU."""
+    state = {"limit": 1024 * MiB, "peak": 0, "resets": 0}
+    monkeypatch.setattr(device_mod, "limit_bytes", lambda d: state["limit"])
+    monkeypatch.setattr(device_mod, "peak_bytes", lambda d: state["peak"])
+    monkeypatch.setattr(device_mod, "reset_peak", lambda d: state.__setitem__("resets", state["resets"] + 1))
+    return state
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_growth_on_an_emulated_card_stays_bitwise(card: dict, ckpt: bool) -> None:
+    case = CASES["toy"]
+    ref = case.build("adapter", checkpointing=ckpt)
+    off = copy.deepcopy(ref)
+    want = train(case, ref, make_optimizer(ref), steps=7)
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")  # prefetch unset: auto
+    got = train(case, off, make_optimizer(off), steps=7)
+    assert_traces_equal(want, got)
+    st = mgr.stats()
+    assert card["resets"] == 1, "the peak is reset once, when the first cycle starts"
+    plan = st["plan"]
+    assert plan["chosen_by"] in ("free memory", "free memory (measured stall)", "free memory (the last growth bought nothing)",
+                                 "smallest ring (growth did not cut the measured stall)", "none"), plan
+    if plan["chosen_by"].startswith("free memory"):
+        assert st["prefetch_depth"] == st["slot_count"] - 1 > 2
+        assert plan["planned_device_bytes"] <= card["limit"] - 512 * MiB  # the default margin stays free
+    mgr.remove()
+
+
+def test_inference_keeps_its_ring_on_a_card(card: dict) -> None:
+    # a pipeline needs the card's free memory for the VAE after the transformer: no growth
+    case = CASES["toy"]
+    model = case.build("frozen")
+    h = enable_offload(model, target_device="cpu")
+    infer(case, model, seeds=tuple(range(6)))
+    assert h.stats()["prefetch_depth"] == 2 and h.stats()["slot_count"] == 3
+    h.remove()
+
+
+def test_prefetch_pinned_never_grows(card: dict) -> None:
+    case = CASES["toy"]
+    model = case.build("frozen")
+    h = enable_offload(model, target_device="cpu", prefetch=2)
+    infer(case, model, seeds=tuple(range(6)))
+    st = h.stats()
+    assert st["prefetch_depth"] == 2 and st["slot_count"] == 3 and card["resets"] == 0
+    h.remove()
+
+
+def test_budget_on_an_emulated_card_counts_the_activations(card: dict) -> None:
+    case = CASES["toy"]
+    ref = case.build("frozen")
+    off = copy.deepcopy(ref)
+    probe = enable_offload(copy.deepcopy(ref), target_device="cpu")
+    slot = probe.stats()["slot_bytes"]
+    probe.remove()
+    # the process peaked 40 slots above what the engine holds (under a budget the measured cycles run
+    # on the smallest ring, two slots): activations and other tensors
+    card["peak"] = 42 * slot
+    h = enable_offload(off, target_device="cpu", vram_budget=48 * slot)
+    assert h.stats()["slot_count"] == 2, "the measured cycles run on the smallest ring"
+    assert_bitwise(infer(case, ref, seeds=tuple(range(5))), infer(case, off, seeds=tuple(range(5))), "toy output")
+    plan = h.stats()["plan"]
+    assert plan["chosen_by"] == "measured"
+    assert plan["measured_other_bytes"] == 40 * slot
+    assert plan["measured_other_bytes"] + plan["planned_device_bytes"] <= 48 * slot
+    h.remove()
+
+
+def test_budget_below_the_measured_activations_raises_early(card: dict) -> None:
+    case = CASES["toy"]
+    model = case.build("frozen")
+    probe = enable_offload(copy.deepcopy(model), target_device="cpu")
+    slot = probe.stats()["slot_bytes"]
+    probe.remove()
+    card["peak"] = 100 * slot
+    h = enable_offload(model, target_device="cpu", vram_budget=10 * slot)
+    infer(case, model, seeds=(0,))  # the first cycle measures
+    with pytest.raises(VramBudgetError, match="vram_budget"):
+        infer(case, model, seeds=(1,))  # the second cycle start knows it cannot fit
+    h.remove()
+
+
+def test_budget_below_the_smallest_ring_raises_at_setup() -> None:
+    case = CASES["toy"]
+    model = case.build("frozen")
+    probe = enable_offload(copy.deepcopy(model), target_device="cpu")
+    slot = probe.stats()["slot_bytes"]
+    probe.remove()
+    with pytest.raises(VramBudgetError, match="smallest ring"):
+        enable_offload(model, target_device="cpu", vram_budget=2 * slot - 1)  # the smallest ring is two slots
+    assert all(p.numel() > 0 for p in model.parameters()), "a refused budget left the model touched"
+
+
+def test_config_keys_for_memory() -> None:
+    assert OffloadConfig().prefetch is None  # auto: grows from free VRAM on a card
+    assert OffloadConfig(vram_margin="1GiB").vram_margin == 1 << 30
+    with pytest.raises(Exception, match="optimizer as an argument"):
+        OffloadConfig.from_overrides(None, extra={"optimizer": None})
+
+
+def test_growth_doubles_the_ring_when_the_simulation_sees_no_gain_but_the_cycle_stalled() -> None:
+    # compute-bound spans: the simulation finds no stall to take away...
+    m = _turnaround(limit_bytes=100_000 * MiB, trace=tuple(range(8)), spans=(50.0,) * 8)
+    assert plan_growth(m, margin=0) is None
+    # ...but the measured cycle stalled for 10% of its busy time: the ring doubles, to be measured
+    plan = plan_growth(m, margin=0, measured_stall_ms=40.0)
+    assert plan is not None and plan.chosen_by == "free memory (measured stall)"
+    assert plan.slots == 2 * m.slots and plan.depth == plan.slots - 1
+    # a stall under 2% of the busy time is noise, and no free memory means nothing to try
+    assert plan_growth(m, margin=0, measured_stall_ms=5.0) is None
+    assert plan_growth(_turnaround(limit_bytes=1300 * MiB, trace=tuple(range(8)), spans=(50.0,) * 8),
+                       margin=300 * MiB, measured_stall_ms=40.0) is None
