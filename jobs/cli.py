@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from jobs._cli import cancel, delete, init, logs, prune, ps, report, retry, schema, shard, show, submit, tui, validate, worker
 from jobs._cli import outputs, signal  # issue 15: train/infer runners
+from jobs._cli import workers  # issue 13: workers on a shared store
 from jobs._cli.lazy_coercion import defer_coercion
 from jobs._cli.output import error_line
 from jobs.errors import JobsError
@@ -106,6 +107,7 @@ app.command("shard", rich_help_panel=_SPEC)(shard.shard)
 app.command("worker", rich_help_panel=_WORKER)(worker.worker)
 app.command("up", rich_help_panel=_WORKER)(worker.up)
 app.command("down", rich_help_panel=_WORKER)(worker.down)
+app.command("workers", rich_help_panel=_WORKER)(workers.workers)
 
 
 def main() -> None:

@@ -200,6 +200,12 @@ class JobsClient:
     def page(self, status: str | None = None, limit: int | None = None, *,
              summary: bool = False) -> tuple[list[dict[str, Any]], int]:
         """(the newest `limit` jobs, how many match in all)."""
+        body = self.jobs_page(status, limit, summary=summary)
+        return body["jobs"], int(body.get("total", len(body["jobs"])))
+
+    def jobs_page(self, status: str | None = None, limit: int | None = None, *,
+                  summary: bool = False) -> dict[str, Any]:
+        """The worker's whole answer: {"jobs": [...], "total": N, "shared": true on a store many workers share}."""
         params: dict[str, Any] = {}
         if status:
             params["status"] = status
@@ -207,8 +213,12 @@ class JobsClient:
             params["limit"] = limit
         if summary:
             params["view"] = "summary"
-        body = self._request("GET", "/v1/jobs", params=params)
-        return body["jobs"], int(body.get("total", len(body["jobs"])))
+        return self._request("GET", "/v1/jobs", params=params)
+
+    def workers(self) -> dict[str, Any]:
+        """{"workers": [...], "this": id, "shared": bool}: every worker on the store, with its GPUs (and the
+        job on each), slots, executors, heartbeat age and status (up, lost, stopped), and what it runs."""
+        return self._request("GET", "/v1/workers")
 
     def delete(self, job_id: str) -> dict[str, Any]:
         """Remove a finished job, its history and its run dir."""

@@ -138,6 +138,10 @@ class RunDir:
         record = {"ts": time.time(), **record}
         return self._append("events.jsonl", (strict_json.dumps(record) + "\n").encode("utf-8"))
 
+    def append_control(self, record: dict[str, Any]) -> bool:
+        """A runner control (`offload-jobs signal`) for the train runner to read (jobs.runners.controls)."""
+        return self._append("control.jsonl", (strict_json.dumps(record) + "\n").encode("utf-8"))
+
     def append_log(self, text: str) -> bool:
         """A line from the worker itself (e.g. why an attempt could not start)."""
         return self._append("output.log", text.encode("utf-8", "replace"), newline_guard=True)

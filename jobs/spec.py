@@ -221,6 +221,8 @@ class ShardSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     gpus: Optional[int] = Field(None, ge=0, le=1024, description="GPUs needed; default 0 for command/shard, 1 otherwise.")
+    min_vram: Optional[Bytes] = Field(None, description="Memory each of its GPUs must have (e.g. '24GiB'); "
+                                                        "only a worker with such GPUs free claims the job.")
     vram_budget: Optional[Bytes] = None
     shm_size: Optional[Bytes] = Field(None, description="Shared memory for the docker executor.")
 
@@ -251,7 +253,7 @@ class JobSpec(_Strict):
     env: Annotated[dict[str, EnvValue], BeforeValidator(_env)] = Field(default_factory=dict, max_length=1024)
     outputs: Optional[Union[str, list[str]]] = None
     priority: int = Field(0, ge=-10**6, le=10**6, description="Higher runs first; ties run oldest first.")
-    executor: Executor = "process"
+    executor: Executor = Field("process", description="process (default), docker, or slurm (an sbatch per attempt).")
     image: Annotated[Optional[str], BeforeValidator(_image)] = Field(None, description="Container image for executor: docker.")
 
     @model_validator(mode="after")
@@ -268,6 +270,8 @@ class JobSpec(_Strict):
                 raise _FieldError("shard.dst", "a shard job needs `shard.dst`")
         elif not self.model.path:
             raise _FieldError("model.path", f"a {self.kind} job needs `model.path`")
+        if self.resources.min_vram and self.gpus == 0:
+            raise _FieldError("resources.min_vram", "needs a GPU job: set resources.gpus too")
         if "cancelled" in self.retry.on:
             raise _FieldError("retry.on", "a cancelled job is never retried; remove `cancelled`")
         env_bytes = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) + 2 for k, v in self.env.items())

@@ -1,17 +1,26 @@
-"""`JobStore`: jobs, attempts and events in SQLAlchemy Core over SQLite (WAL).
+"""`JobStore`: jobs, attempts and events in SQLAlchemy Core, on SQLite (WAL) or Postgres.
 
-The worker alone owns the store. Claims are a conditional UPDATE (`... WHERE status='PENDING'`),
-with `FOR UPDATE SKIP LOCKED` on the candidate select where the dialect has it (Postgres), so the
-same code can serve workers on several hosts. SQLite-only SQL lives in the functions marked
-"SQLite only", each with a portable path beside it.
+SQLite is the default: one worker owns the store. With `OFFLOAD_JOBS_DB=postgresql+psycopg://...`
+many workers on many hosts share one store: a claim selects its candidate `FOR UPDATE SKIP LOCKED`
+(workers never wait on each other's candidates) and moves it with a conditional UPDATE
+(`... WHERE status='PENDING'`). SQLite-only SQL lives in the functions marked "SQLite only", each
+with a portable path beside it; the backend differences are in `store_base.py`.
 
 An attempt's life in the store, so that no attempt runs twice and no completion is lost:
 
-    claim_next      job PENDING -> STARTING, attempt row STARTING (no process yet)
-    mark_running    the held child's identity (pid, start time, cgroup / container) and RUNNING,
-                    committed *before* the child is let go: a crash after this finds the child
-    finish_attempt  once, conditional on the attempt still being live: replaying a completion
-                    (after a failed write, or from exit.json at restart) records it once
+    claim_next      job PENDING -> STARTING, attempt row STARTING (no process yet), held by the
+                    claiming worker with a lease (shared stores)
+    mark_running    the held child's identity (pid, start time, cgroup / container / Slurm job)
+                    and RUNNING, committed *before* the child is let go: a crash after this finds it
+    finish_attempt  once, conditional on the attempt still being live (and, from its worker, still
+                    that worker's): replaying a completion records it once, and a worker whose lease
+                    was taken over (the reaper closed the attempt, maybe retried the job) records
+                    nothing over the retry
+
+The fencing token is the attempt itself: (job, attempt number, worker) while the attempt is live.
+`jobs.attempt` grows by one at every claim, and a closed attempt is never reopened, so a write
+conditional on it can land only while its writer still holds the lease. Workers, heartbeats and
+the reaper are `store_cluster.py`; shipped logs and metrics `store_output.py`.
 
 Every JSON column is written with `strict_json.dumps` (no NaN, no Infinity) and read with
 `strict_json.loads`, so one diverging loss cannot poison a query.
@@ -19,80 +28,38 @@ Every JSON column is written with `strict_json.dumps` (no NaN, no Infinity) and 
 
 from __future__ import annotations
 
-import functools
-import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, case, create_engine, delete, event, func, insert, literal_column, select, update
-from sqlalchemy.exc import DatabaseError, SQLAlchemyError
+from sqlalchemy import Connection, String, and_, case, delete, func, insert, literal, literal_column, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobs import strict_json
-from jobs.errors import InvalidTransition, JobNotFound, StoreError
-from jobs.tables import MIGRATIONS, SCHEMA_VERSION, attempts_t, events_t, jobs_t, schema_version_t
+from jobs.errors import InvalidTransition, JobNotFound
+from jobs.store_base import LeaseLost, StoreBase, db_message, reads, writes
+from jobs.store_cluster import ClusterMixin
+from jobs.store_output import OutputMixin, note_bytes as _note_bytes
+from jobs.tables import SCHEMA_VERSION, attempts_t, events_t, jobs_t, log_chunks_t, metric_rows_t, schema_version_t
 from jobs.vocab import LIVE, REASONS, STATES, TERMINAL
 
-__all__ = ["JobStore", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION", "SUMMARY_COLUMNS"]
-
-log = logging.getLogger("offload_jobs.store")
+__all__ = ["JobStore", "LeaseLost", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION", "SUMMARY_COLUMNS"]
 
 METRICS_MAX_BYTES = 64 * 1024  # last_metrics is a summary for tables, not a data channel
 
 _JOB_COLS = [c for c in jobs_t.c]
 # What a table of jobs needs: no spec (up to 1 MiB each), no metrics.
 SUMMARY_COLUMNS = ("id", "name", "kind", "status", "reason", "message", "priority", "gpus", "attempt",
-                   "max_attempts", "run_dir", "created_at", "started_at", "finished_at", "exit_code")
+                   "max_attempts", "run_dir", "created_at", "started_at", "finished_at", "exit_code", "worker_id")
 _JSON_COLS = ("spec", "last_metrics")
+_HELD = ("STARTING", "RUNNING")  # attempt statuses of a live attempt
+
+_writes, _reads = writes, reads
 
 
-def _writes(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A write: database errors become StoreError, and its events reach `on_event` after commit."""
-
-    @functools.wraps(method)
-    def wrapper(self: "JobStore", *args: Any, **kwargs: Any) -> Any:
-        self._pending.items = []
-        try:
-            result = method(self, *args, **kwargs)
-            items = self._pending.items
-        except SQLAlchemyError as exc:
-            raise StoreError(f"store {self.path_label}: {_db_message(exc)}") from None
-        finally:
-            self._pending.items = None
-        if self.on_event is not None:
-            for ev in items:
-                try:
-                    self.on_event(ev)
-                except Exception:  # the write has committed; a listener must not undo that
-                    log.exception("event listener failed for event %s", ev.get("id"))
-        return result
-
-    return wrapper
-
-
-def _reads(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(self: "JobStore", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except SQLAlchemyError as exc:
-            raise StoreError(f"store {self.path_label}: {_db_message(exc)}") from None
-
-    return wrapper
-
-
-def _db_message(exc: SQLAlchemyError) -> str:
-    """The driver's own one-line message ("database or disk is full"), not SQLAlchemy's essay."""
-    orig = getattr(exc, "orig", None)
-    text = str(orig) if orig is not None else str(exc)
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-
-
-class JobStore:
+class JobStore(ClusterMixin, OutputMixin, StoreBase):
     """Persistent jobs, attempts and events; every method is one transaction.
 
     `on_event`, if set, is called (in the writer's thread) with each event after its commit.
@@ -100,57 +67,7 @@ class JobStore:
     """
 
     def __init__(self, url: str | Path, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.on_event = on_event
-        self._pending = threading.local()
-        url = str(url)
-        self.path: Path | None = None
-        if "://" not in url:
-            self.path = Path(url)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            url = f"sqlite:///{url}"
-        self.url = url
-        self.path_label = str(self.path) if self.path is not None else url
-        self.is_sqlite = url.startswith("sqlite")
-        kwargs: dict[str, Any] = {}
-        if self.is_sqlite:
-            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
-        try:
-            self.engine = create_engine(url, **kwargs)
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open store {self.path_label}: {_db_message(exc)}") from None
-        if self.is_sqlite:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-            # pysqlite's implicit transactions defeat BEGIN IMMEDIATE; take control of them.
-            event.listen(self.engine, "begin", _sqlite_begin)
-        self.migrate()
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    # ------------------------------------------------------------ schema
-    def migrate(self) -> int:
-        """Apply pending migrations; returns the schema version."""
-        try:
-            with self.engine.begin() as conn:
-                schema_version_t.create(conn, checkfirst=True)
-                row = conn.execute(select(schema_version_t.c.version)).first()
-                version = row[0] if row else 0
-                if version > SCHEMA_VERSION:
-                    raise StoreError(f"store {self.path_label} has schema {version}, newer than this code ({SCHEMA_VERSION})")
-                for step in MIGRATIONS[version:]:
-                    step(conn)
-                if row is None:
-                    conn.execute(insert(schema_version_t).values(version=SCHEMA_VERSION))
-                elif version != SCHEMA_VERSION:
-                    conn.execute(update(schema_version_t).values(version=SCHEMA_VERSION))
-        except DatabaseError as exc:
-            raise StoreError(
-                f"{self.path_label} is not a readable job store ({_db_message(exc)}); restore it from a backup, "
-                f"or move it aside (mv {self.path_label} {self.path_label}.broken) to start an empty store"
-            ) from None
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open or migrate store {self.path_label}: {_db_message(exc)}") from None
-        return SCHEMA_VERSION
+        super().__init__(url, on_event)
 
     def integrity_problem(self) -> str | None:
         """None when the store reads cleanly, else what is wrong (SQLite only: PRAGMA quick_check)."""
@@ -160,7 +77,7 @@ class JobStore:
             with self._read() as conn:
                 rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").fetchall()]
         except SQLAlchemyError as exc:
-            return _db_message(exc)
+            return db_message(exc)
         return None if rows == ["ok"] else "; ".join(str(r) for r in rows[:3])
 
     @_reads
@@ -172,16 +89,20 @@ class JobStore:
     @_writes
     def create_job(self, spec: dict[str, Any], *, kind: str, name: str, priority: int = 0, gpus: int = 0,
                    max_attempts: int = 1, run_dir_for: Callable[[str], str] | None = None,
-                   job_id: str | None = None) -> dict[str, Any]:
+                   job_id: str | None = None, min_vram: int = 0, executor: str = "process") -> dict[str, Any]:
         now = time.time()
         job_id = job_id or self.new_id()
         with self.engine.begin() as conn:
+            if self.is_postgres:  # submits on several workers at once: seq stays unique and in order
+                conn.execute(select(func.pg_advisory_xact_lock(0x0FF10AD3)))
             seq = (conn.execute(select(func.max(jobs_t.c.seq))).scalar() or 0) + 1
             conn.execute(insert(jobs_t).values(
                 id=job_id, seq=seq, name=name, kind=kind, status="PENDING", priority=priority, gpus=gpus,
                 attempt=0, max_attempts=max_attempts, spec=strict_json.dumps(spec), created_at=now,
-                run_dir=run_dir_for(job_id) if run_dir_for else None,
+                run_dir=run_dir_for(job_id) if run_dir_for else None, min_vram=int(min_vram or 0),
+                executor=executor,
             ))
+            self.notify_queue(conn)
             self._event(conn, job_id, "job.created", {"status": "PENDING", "name": name, "kind": kind, "attempt": 0})
             return self._get(conn, job_id)
 
@@ -221,7 +142,8 @@ class JobStore:
         """
         total = self.count_jobs(status)
         if not self.is_sqlite:
-            return strict_json.dumps({"jobs": self.list_jobs(status, limit, summary=summary), "total": total})
+            return strict_json.dumps({"jobs": self.list_jobs(status, limit, summary=summary), "total": total,
+                                      "shared": self.shared})
         args: list[Any] = []
         names = SUMMARY_COLUMNS if summary else [c.name for c in _JOB_COLS if c.name != "seq"]
         for name in names:
@@ -253,56 +175,97 @@ class JobStore:
         return out
 
     @_writes
-    def claim_next(self, *, gpu_slots: int, cpu_slots: int) -> dict[str, Any] | None:
-        """Atomically move the best PENDING job that fits the free slots to STARTING with a new attempt."""
-        if gpu_slots <= 0 and cpu_slots <= 0:
+    def claim_next(self, *, gpu_slots: int, cpu_slots: int, gpu_vram: list[int] | None = None,
+                   slurm_slots: int = 0, worker_id: str | None = None, lease_s: float | None = None,
+                   run_root: str | None = None) -> dict[str, Any] | None:
+        """Atomically move the best PENDING job that fits to STARTING with a new attempt.
+
+        It fits when it needs no GPU and a CPU slot is free; or `g` GPUs and `g` free GPUs each
+        have at least its `min_vram` (`gpu_vram`: the free GPUs' memory in bytes, unknown = 0);
+        or it is an `executor: slurm` job and `slurm_slots` > 0 (Slurm places it). Best is
+        highest priority, then oldest. With `worker_id` the attempt is that worker's, with a
+        lease of `lease_s` seconds on the database's clock, and its run dir `run_root/<id>`.
+        """
+        vram = sorted(gpu_vram if gpu_vram is not None else [0] * max(0, gpu_slots), reverse=True)
+        if not vram and cpu_slots <= 0 and slurm_slots <= 0:
             return None
+        c = jobs_t.c
+        local = [c.gpus == 0] if cpu_slots > 0 else []
+        local += [and_(c.gpus == g, c.min_vram <= vram[g - 1]) for g in range(1, len(vram) + 1)]
+        fits = [and_(c.executor != "slurm", or_(*local))] if local else []
+        if slurm_slots > 0:
+            fits.append(c.executor == "slurm")
+        if not fits:
+            return None
+        # One statement: the best candidate, skipping rows another worker is claiming (Postgres), moved
+        # to STARTING only if still PENDING. The (status, priority DESC, seq) index serves the order.
+        cand = (select(c.id).where(c.status == "PENDING", or_(*fits))
+                .order_by(c.priority.desc(), c.seq).limit(1))
+        if not self.is_sqlite:
+            cand = cand.with_for_update(skip_locked=True)
+        run_dir = literal(run_root.rstrip("/") + "/", String) + c.id if run_root else None
+        values: dict[str, Any] = dict(status="STARTING", attempt=c.attempt + 1, reason=None, message=None,
+                                      exit_code=None, finished_at=None)
+        if worker_id is not None:
+            values["worker_id"] = worker_id
+        if run_dir is not None:
+            values["run_dir"] = run_dir
+        now = time.time()
         with self.engine.begin() as conn:
-            q = select(jobs_t.c.id, jobs_t.c.attempt).where(jobs_t.c.status == "PENDING")
-            if gpu_slots <= 0:
-                q = q.where(jobs_t.c.gpus == 0)
-            elif cpu_slots <= 0:
-                q = q.where(jobs_t.c.gpus > 0)
-            q = q.order_by(jobs_t.c.priority.desc(), jobs_t.c.seq).limit(1)
-            if not self.is_sqlite:
-                q = q.with_for_update(skip_locked=True)
-            row = conn.execute(q).first()
+            row = conn.execute(update(jobs_t).where(c.id == cand.scalar_subquery(), c.status == "PENDING")
+                               .values(**values).returning(*_JOB_COLS)).mappings().first()
             if row is None:
-                return None
-            now = time.time()
-            number = row.attempt + 1
-            res = conn.execute(update(jobs_t).where(jobs_t.c.id == row.id, jobs_t.c.status == "PENDING").values(
-                status="STARTING", attempt=number, reason=None, message=None, exit_code=None, finished_at=None))
-            if res.rowcount != 1:
-                return None  # another worker won the race
-            conn.execute(insert(attempts_t).values(job_id=row.id, number=number, status="STARTING", started_at=now))
-            self._event(conn, row.id, "job.status", {"status": "STARTING", "attempt": number})
-            return self._get(conn, row.id)
+                return None  # nothing fits, or another worker won the race
+            job = _job_dict(row)
+            lease = self.now_expr() + lease_s if lease_s else None
+            res = conn.execute(insert(attempts_t).values(
+                job_id=job["id"], number=job["attempt"], status="STARTING", started_at=now, worker_id=worker_id,
+                lease_until=lease, run_dir=job["run_dir"] if run_root else None).returning(attempts_t.c.lease_until))
+            data: dict[str, Any] = {"status": "STARTING", "attempt": job["attempt"]}
+            if worker_id is not None:
+                data["worker_id"] = worker_id
+            self._event(conn, job["id"], "job.status", data)
+            job["lease_until"] = res.scalar()
+            return job
 
     @_writes
     def mark_running(self, job_id: str, number: int, *, executor: str, pid: int | None = None,
-                     pgid: int | None = None, handle: dict[str, Any] | None = None, worker_pid: int | None = None) -> bool:
+                     pgid: int | None = None, handle: dict[str, Any] | None = None, worker_pid: int | None = None,
+                     worker_id: str | None = None) -> bool:
         """Record the held child's identity and move STARTING -> RUNNING, in one transaction.
 
         The caller lets the child run only after this returns True. False: the job was cancelled
         meanwhile (it stays CANCELLING, and the child must be stopped unrun); the identity is
-        recorded either way, so a crash right after this still finds the child.
+        recorded either way, so a crash right after this still finds the child. Raises LeaseLost
+        when the attempt is no longer live (a reaper closed it) or, with `worker_id`, not that
+        worker's: the child must then be stopped unrun, and nothing recorded.
         """
         now = time.time()
         with self.engine.begin() as conn:
-            conn.execute(update(attempts_t).where(attempts_t.c.job_id == job_id, attempts_t.c.number == number).values(
+            self.lock_job(conn, job_id)
+            a = attempts_t.c
+            cond = [a.job_id == job_id, a.number == number, a.status == "STARTING"]
+            if worker_id is not None:
+                cond.append(a.worker_id == worker_id)
+            res = conn.execute(update(attempts_t).where(*cond).values(
                 status="RUNNING", executor=executor, pid=pid, pgid=pgid, worker_pid=worker_pid,
                 handle=strict_json.dumps(handle) if handle else None, started_at=now))
-            res = conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.status == "STARTING").values(
-                status="RUNNING", started_at=now))
+            if res.rowcount != 1:
+                raise LeaseLost(f"job {job_id} attempt {number} is no longer held here")
+            res = conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.status == "STARTING",
+                                                    jobs_t.c.attempt == number).values(status="RUNNING", started_at=now))
             if res.rowcount == 1:
-                self._event(conn, job_id, "job.status", {"status": "RUNNING", "attempt": number, "pid": pid})
+                data: dict[str, Any] = {"status": "RUNNING", "attempt": number, "pid": pid}
+                if worker_id is not None:
+                    data["worker_id"] = worker_id
+                self._event(conn, job_id, "job.status", data)
             return res.rowcount == 1
 
     @_writes
     def finish_attempt(self, job_id: str, number: int, *, status: str, reason: str | None = None,
                        exit_code: int | None = None, message: str | None = None, requeue: bool | None = None,
-                       retry_on: Iterable[str] = (), never_ran: bool = False) -> dict[str, Any]:
+                       retry_on: Iterable[str] = (), never_ran: bool = False, worker_id: str | None = None,
+                       only_if_expired: bool = False, output: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close attempt `number`; the job becomes `status`, or PENDING again when it is retried.
 
         The retry is decided here, in the same transaction: `requeue` forces it; otherwise a FAILED
@@ -310,40 +273,82 @@ class JobStore:
         not being cancelled. `never_ran` (the child was stopped before it ran anything) retries
         it and gives the attempt back to the budget.
 
-        Idempotent: an attempt that is already closed is left as it is (no second event), so a
-        completion can be replayed safely.
+        Idempotent and fenced: an attempt that is already closed is left as it is (no second
+        event), so a completion can be replayed safely, and one `worker_id` no longer holds (a
+        reaper took it) is not recorded over what the reaper wrote. `only_if_expired` (the
+        reaper) closes it only while its lease is still past due on the database's clock.
+        `output` ({"log": bytes, "metrics": [records]}) is the attempt's last shipped output,
+        written in the same transaction, so a finished job's log in the store is complete.
+        The job is returned with `recorded`: whether this call closed the attempt.
         """
         if status not in TERMINAL:
             raise ValueError(f"finish_attempt needs a terminal status, got {status}")
-        now = time.time()
         with self.engine.begin() as conn:
-            job = self._get(conn, job_id)
-            res = conn.execute(update(attempts_t).where(
-                attempts_t.c.job_id == job_id, attempts_t.c.number == number,
-                attempts_t.c.status.in_(["STARTING", "RUNNING"])).values(
-                status=status, reason=reason, exit_code=exit_code, message=message, finished_at=now))
-            if res.rowcount == 0:
-                return job  # closed already (a replay) or never opened
-            cancelling = job["status"] == "CANCELLING"
-            if requeue is None:
-                if never_ran:
-                    requeue = not cancelling
-                else:
-                    requeue = (status == "FAILED" and reason in set(retry_on) and not cancelling
-                               and number < job["max_attempts"])
-            job_status = "PENDING" if requeue else status
-            values: dict[str, Any] = dict(status=job_status, reason=reason, exit_code=exit_code, message=message,
-                                          finished_at=None if requeue else now)
-            if requeue and never_ran:
-                values["max_attempts"] = jobs_t.c.max_attempts + 1
-            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.attempt == number).values(**values))
-            data: dict[str, Any] = {"status": job_status, "reason": reason, "attempt": number, "exit_code": exit_code}
-            if requeue:
-                data["retry_of"] = status
-            if message:
-                data["message"] = message
-            self._event(conn, job_id, "job.status", data)
-            return self._get(conn, job_id)
+            job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=exit_code,
+                                       message=message, requeue=requeue, retry_on=retry_on, never_ran=never_ran,
+                                       worker_id=worker_id, only_if_expired=only_if_expired, output=output)
+            return {**job, "recorded": closed}
+
+    @_writes
+    def reap_attempt(self, job_id: str, number: int, *, retry_on: Iterable[str], never_ran: bool, message: str,
+                     note: str | None = None) -> dict[str, Any] | None:
+        """The reaper: close an attempt whose lease ran out as worker_lost and retry it per policy.
+
+        Returns the job when this call closed it; None when it was not (or no longer) past due:
+        its worker renewed in time, or another worker's reaper was first. `note` goes to the log.
+        A job being cancelled ends CANCELLED: its worker is gone, and so is the attempt.
+        """
+        with self.engine.begin() as conn:
+            self.lock_job(conn, job_id)
+            cancelling = conn.execute(select(jobs_t.c.status).where(jobs_t.c.id == job_id)).scalar() == "CANCELLING"
+            status, reason = ("CANCELLED", "cancelled") if cancelling else ("FAILED", "worker_lost")
+            job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=None,
+                                       message=None if cancelling else message, requeue=None, retry_on=retry_on,
+                                       never_ran=never_ran, worker_id=None, only_if_expired=True, output=None,
+                                       note=note)
+            return job if closed else None
+
+    def _finish(self, conn: Connection, job_id: str, number: int, *, status: str, reason: str | None,
+                exit_code: int | None, message: str | None, requeue: bool | None, retry_on: Iterable[str],
+                never_ran: bool, worker_id: str | None, only_if_expired: bool, output: dict[str, Any] | None,
+                note: str | None = None) -> tuple[dict[str, Any], bool]:
+        now = time.time()
+        job = self._get(conn, job_id, lock=True)
+        a = attempts_t.c
+        cond = [a.job_id == job_id, a.number == number, a.status.in_(_HELD)]
+        if worker_id is not None:
+            cond.append(a.worker_id == worker_id)
+        if only_if_expired:
+            cond.append(a.lease_until < self.now_expr())
+        res = conn.execute(update(attempts_t).where(*cond).values(
+            status=status, reason=reason, exit_code=exit_code, message=message, finished_at=now))
+        if res.rowcount == 0:
+            return job, False  # closed already (a replay, or the reaper's), never opened, or not ours
+        if output:
+            self._append_output(conn, job_id, number, output.get("log") or b"", output.get("metrics") or [])
+        if note:
+            self._append_output(conn, job_id, number, _note_bytes(conn, job_id, note), [])
+        cancelling = job["status"] == "CANCELLING"
+        if requeue is None:
+            if never_ran:
+                requeue = not cancelling
+            else:
+                requeue = (status == "FAILED" and reason in set(retry_on) and not cancelling
+                           and number < job["max_attempts"])
+        job_status = "PENDING" if requeue else status
+        values: dict[str, Any] = dict(status=job_status, reason=reason, exit_code=exit_code, message=message,
+                                      finished_at=None if requeue else now)
+        if requeue and never_ran:
+            values["max_attempts"] = jobs_t.c.max_attempts + 1
+        conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.attempt == number).values(**values))
+        data: dict[str, Any] = {"status": job_status, "reason": reason, "attempt": number, "exit_code": exit_code}
+        if requeue:
+            data["retry_of"] = status
+            self.notify_queue(conn)
+        if message:
+            data["message"] = message
+        self._event(conn, job_id, "job.status", data)
+        return self._get(conn, job_id), True
 
     @_writes
     def request_cancel(self, job_id: str) -> dict[str, Any]:
@@ -363,6 +368,7 @@ class JobStore:
             else:
                 conn.execute(update(jobs_t).where(jobs_t.c.id == jid, jobs_t.c.status.in_(["STARTING", "RUNNING"])).values(
                     status="CANCELLING"))
+                self.notify_queue(conn)  # the worker holding it wakes and stops it
                 self._event(conn, jid, "job.status", {"status": "CANCELLING", "attempt": job["attempt"]})
             return self._get(conn, jid)
 
@@ -375,6 +381,7 @@ class JobStore:
                 raise InvalidTransition(f"job {job['id']} is {job['status']}; only FAILED or CANCELLED jobs can be retried")
             conn.execute(update(jobs_t).where(jobs_t.c.id == job["id"]).values(
                 status="PENDING", finished_at=None, max_attempts=job["attempt"] + extra_attempts))
+            self.notify_queue(conn)
             self._event(conn, job["id"], "job.status", {"status": "PENDING", "attempt": job["attempt"], "manual_retry": True})
             return self._get(conn, job["id"])
 
@@ -408,6 +415,8 @@ class JobStore:
 
     @staticmethod
     def _delete(conn: Connection, ids: list[str]) -> None:
+        conn.execute(delete(log_chunks_t).where(log_chunks_t.c.job_id.in_(ids)))
+        conn.execute(delete(metric_rows_t).where(metric_rows_t.c.job_id.in_(ids)))
         conn.execute(delete(events_t).where(events_t.c.job_id.in_(ids)))
         conn.execute(delete(attempts_t).where(attempts_t.c.job_id.in_(ids)))
         conn.execute(delete(jobs_t).where(jobs_t.c.id.in_(ids)))
@@ -433,11 +442,30 @@ class JobStore:
             return [_attempt_dict(r) for r in conn.execute(q).mappings()]
 
     @_reads
-    def live_attempts(self) -> list[dict[str, Any]]:
-        """Attempts still STARTING or RUNNING (after a crash: left by a dead worker)."""
-        q = select(attempts_t).where(attempts_t.c.status.in_(["STARTING", "RUNNING"])).order_by(attempts_t.c.id)
+    def attempt(self, job_id: str, number: int) -> dict[str, Any] | None:
+        q = select(attempts_t).where(attempts_t.c.job_id == job_id, attempts_t.c.number == number)
         with self._read() as conn:
-            return [_attempt_dict(r) for r in conn.execute(q).mappings()]
+            row = conn.execute(q).mappings().first()
+        return _attempt_dict(row) if row is not None else None
+
+    @_reads
+    def shipped(self, job_id: str, number: int) -> tuple[int, int]:
+        """(log bytes, metrics records) shipped so far for attempt `number` (to resume after a restart)."""
+        with self._read() as conn:
+            log_bytes = conn.execute(select(func.coalesce(func.sum(func.length(log_chunks_t.c.data)), 0)).where(
+                log_chunks_t.c.job_id == job_id, log_chunks_t.c.attempt == number)).scalar()
+            rows = conn.execute(select(func.count()).select_from(metric_rows_t).where(
+                metric_rows_t.c.job_id == job_id, metric_rows_t.c.attempt == number)).scalar()
+        return int(log_bytes or 0), int(rows or 0)
+
+    @_reads
+    def live_attempts(self, worker_id: str | None = None) -> list[dict[str, Any]]:
+        """Attempts still STARTING or RUNNING (after a crash: left by a dead worker); `worker_id`'s only."""
+        q = select(attempts_t).where(attempts_t.c.status.in_(_HELD))
+        if worker_id is not None:
+            q = q.where(attempts_t.c.worker_id == worker_id)
+        with self._read() as conn:
+            return [_attempt_dict(r) for r in conn.execute(q.order_by(attempts_t.c.id)).mappings()]
 
     # ------------------------------------------------------------ events
     @_writes
@@ -446,10 +474,13 @@ class JobStore:
             return self._event(conn, job_id, type, data)
 
     @_reads
-    def events_since(self, last_id: int = 0, limit: int = 500, job_id: str | None = None) -> list[dict[str, Any]]:
+    def events_since(self, last_id: int = 0, limit: int = 500, job_id: str | None = None,
+                     types: Iterable[str] | None = None) -> list[dict[str, Any]]:
         q = select(events_t).where(events_t.c.id > last_id)
         if job_id is not None:
             q = q.where(events_t.c.job_id == job_id)
+        if types is not None:
+            q = q.where(events_t.c.type.in_(list(types)))
         q = q.order_by(events_t.c.id).limit(limit)
         with self._read() as conn:
             return [_event_dict(r) for r in conn.execute(q)]
@@ -460,23 +491,11 @@ class JobStore:
             return conn.execute(select(func.max(events_t.c.id))).scalar() or 0
 
     # ------------------------------------------------------------ internals
-    @contextmanager
-    def _read(self) -> Iterator[Connection]:
-        with self.engine.connect() as conn:
-            yield conn.execution_options(readonly=True)
-
-    def _event(self, conn: Connection, job_id: str | None, type: str, data: dict[str, Any]) -> int:
-        ts = time.time()
-        data = strict_json.finite(data)
-        res = conn.execute(insert(events_t).values(ts=ts, job_id=job_id, type=type, data=strict_json.dumps(data)))
-        ev_id = int(res.inserted_primary_key[0])
-        pending = getattr(self._pending, "items", None)
-        if pending is not None:
-            pending.append({"id": ev_id, "ts": ts, "job_id": job_id, "type": type, **data})
-        return ev_id
-
-    def _get(self, conn: Connection, job_id: str, prefix: bool = False) -> dict[str, Any]:
-        row = conn.execute(select(*_JOB_COLS).where(jobs_t.c.id == job_id)).mappings().first()
+    def _get(self, conn: Connection, job_id: str, prefix: bool = False, lock: bool = False) -> dict[str, Any]:
+        q = select(*_JOB_COLS).where(jobs_t.c.id == job_id)
+        if lock and self.is_postgres:  # held until commit: the job's row is the first lock every writer takes
+            q = q.with_for_update()
+        row = conn.execute(q).mappings().first()
         if row is None and prefix and len(job_id) >= 4:
             rows = conn.execute(select(*_JOB_COLS).where(jobs_t.c.id.startswith(job_id, autoescape=True)).limit(2)).mappings().all()
             if len(rows) == 1:
@@ -484,22 +503,6 @@ class JobStore:
         if row is None:
             raise JobNotFound(job_id)
         return _job_dict(row)
-
-
-def _sqlite_begin(conn: Connection) -> None:
-    # SQLite only. Writers take the lock up front (no upgrade deadlocks); readers never block writers in WAL.
-    conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("readonly") else "BEGIN IMMEDIATE")
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    # SQLite only.
-    dbapi_conn.isolation_level = None  # SQLAlchemy's "begin" listener issues BEGIN IMMEDIATE
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
 
 
 def _json_col(text: str | None) -> Any:

@@ -32,7 +32,7 @@ REASONS = ("exit_nonzero", "setup_failed", "cuda_oom", "host_oom", "timeout", "c
 RETRYABLE_REASONS = tuple(r for r in REASONS if r != "cancelled")
 
 KINDS = ("train", "infer", "shard", "command")
-EXECUTORS = ("process", "docker")
+EXECUTORS = ("process", "docker", "slurm")
 
 # OFFLOAD_JOBS_* variables a spec's `env` may set: options the runners read. Every other
 # OFFLOAD_JOBS_* name is the worker's own (run dir, metrics file, outputs, exit report).

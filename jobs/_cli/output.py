@@ -48,7 +48,7 @@ _STATUS_STYLE = {
 }
 
 # The fields `show --json` and `ps --json` always carry, even when the worker leaves one out.
-SUMMARY_FIELDS = ("id", "name", "kind", "status", "reason", "attempt", "priority",
+SUMMARY_FIELDS = ("id", "name", "kind", "status", "reason", "attempt", "priority", "worker_id",
                   "created_at", "started_at", "finished_at", "exit_code")
 
 
@@ -186,9 +186,11 @@ def _clean(text: str) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in text)
 
 
-def jobs_text_table(jobs: list[dict[str, Any]], color: bool = False) -> str:
+def jobs_text_table(jobs: list[dict[str, Any]], color: bool = False, worker: bool = False) -> str:
     """The `ps` table as plain text (ANSI colour on a terminal): the same columns as `jobs_table`,
-    drawn without Rich, so 1,000 rows print in milliseconds."""
+    drawn without Rich, so 1,000 rows print in milliseconds. `worker` adds the WORKER column
+    (a store that several workers share)."""
+    columns = _COLUMNS if not worker else (*_COLUMNS[:4], "WORKER", *_COLUMNS[4:])
     rows = []
     for job in jobs:
         status = str(job.get("status") or "?")
@@ -197,24 +199,27 @@ def jobs_text_table(jobs: list[dict[str, Any]], color: bool = False) -> str:
         if len(name) > NAME_WIDTH:
             name = name[: NAME_WIDTH - 3] + "..."
         status_text = status + (f" ({reason})" if reason and status != "SUCCEEDED" else "")
-        rows.append([
+        row = [
             _clean(str(job.get("id", "?"))), name, _clean(str(job.get("kind") or "-")), _clean(status_text),
             str(job.get("attempt") if job.get("attempt") is not None else "-"),
             str(job.get("priority") if job.get("priority") is not None else 0),
             fmt_time(job.get("created_at")), fmt_duration(job_runtime(job)),
-        ])
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(_COLUMNS)]
+        ]
+        if worker:
+            row.insert(4, _clean(str(job.get("worker_id") or "-")))
+        rows.append(row)
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
 
     def line(cells: list[str], styles: list[str | None]) -> str:
         out = []
         for i, (cell, width) in enumerate(zip(cells, widths)):
-            text = cell.rjust(width) if _COLUMNS[i] in _RIGHT else cell.ljust(width)
+            text = cell.rjust(width) if columns[i] in _RIGHT else cell.ljust(width)
             code = _ANSI.get(styles[i] or "") if color else None
             out.append(f"\x1b[{code}m{text}\x1b[0m" if code else text)
         return " ".join(out).rstrip()
 
-    header = line(list(_COLUMNS), ["bold"] * len(_COLUMNS))
-    body = [line(r, [None, None, None, _STATUS_STYLE.get(str(j.get("status"))), None, None, None, None])
+    header = line(list(columns), ["bold"] * len(columns))
+    body = [line(r, [None, None, None, _STATUS_STYLE.get(str(j.get("status")))] + [None] * (len(columns) - 4))
             for r, j in zip(rows, jobs)]
     return "\n".join([header, *body])
 
@@ -241,6 +246,8 @@ def job_detail(job: dict[str, Any]) -> Table:
         ("exit code", str(job.get("exit_code") if job.get("exit_code") is not None else "-")),
         ("run dir", escape(str(job.get("run_dir") or "-"))),
     ]
+    if job.get("worker_id"):
+        rows.insert(5, ("worker", escape(str(job["worker_id"]))))
     metrics = job.get("last_metrics")
     if isinstance(metrics, dict) and metrics:
         rows.append(("metrics", escape(", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))))

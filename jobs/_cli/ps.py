@@ -25,7 +25,8 @@ def ps(
 ) -> None:
     """List jobs, newest first: the active ones (pending, starting, running, cancelling), or every job with --all.
 
-    The table shows the newest 50; --limit N shows more, --all shows every job.
+    The table shows the newest 50; --limit N shows more, --all shows every job. On a store several
+    workers share, a WORKER column says which worker runs (or last ran) each job.
     """
     from jobs._cli.connect import connect
 
@@ -39,7 +40,8 @@ def ps(
     else:
         statuses = [s for s in STATUSES if s in ACTIVE]
     page = limit if limit is not None else (None if all_jobs else PAGE)
-    jobs, total = connect().page(",".join(statuses) if statuses else None, page, summary=True)
+    body = connect().jobs_page(",".join(statuses) if statuses else None, page, summary=True)
+    jobs, total = body["jobs"], int(body.get("total", len(body["jobs"])))
     if statuses is not None:
         jobs = [j for j in jobs if j.get("status") in statuses]
     if json_out:
@@ -50,7 +52,7 @@ def ps(
         typer.echo(f"no jobs{hint}")
         return
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    typer.echo(jobs_text_table(jobs, color=color))
+    typer.echo(jobs_text_table(jobs, color=color, worker=bool(body.get("shared"))))
     if total > len(jobs):
         what = "jobs" if all_jobs else (f"{wanted} jobs" if wanted else "active jobs")
         typer.echo(f"... the newest {len(jobs)} of {total} {what}; see more with --limit N"

@@ -30,11 +30,23 @@ def worker(
                                                 help="GPUs to schedule (default: detected).")] = None,
     log_level: Annotated[Optional[str], typer.Option("--log-level", show_default=False,
                                                      help="debug, info or warning (default).")] = None,
+    db: Annotated[Optional[str], typer.Option(
+        "--db", show_default=False, help="A store several workers share: postgresql+psycopg://user@host/db "
+                                         "(default $OFFLOAD_JOBS_DB; none: SQLite in the state dir).")] = None,
+    worker_id: Annotated[Optional[str], typer.Option(
+        "--worker-id", show_default=False, help="This worker's name (default: one kept in the state dir).")] = None,
+    heartbeat_timeout: Annotated[Optional[float], typer.Option(
+        "--heartbeat-timeout", min=1.0, max=3600.0, show_default=False,
+        help="Seconds of silence before this worker's jobs are retried by another (default 30).")] = None,
+    gpu_vram: Annotated[Optional[str], typer.Option(
+        "--gpu-vram", show_default=False, help="Declare the GPUs and their memory, e.g. 24GiB,8GiB (default: NVML).")
+    ] = None,
 ) -> None:
     """Run the worker in the foreground (HTTP API, scheduler, store). Ctrl-C stops it."""
     from jobs._cli.worker_entry import run_worker_foreground
 
-    code = run_worker_foreground(host, port, home, max_cpu_jobs=max_cpu_jobs, gpus=gpus, log_level=log_level)
+    code = run_worker_foreground(host, port, home, max_cpu_jobs=max_cpu_jobs, gpus=gpus, log_level=log_level,
+                                 db=db, worker_id=worker_id, heartbeat_timeout=heartbeat_timeout, gpu_vram=gpu_vram)
     if code:
         raise typer.Exit(code)
 

@@ -1,4 +1,4 @@
-"""Executors by name; `docker` is imported only when a job asks for it."""
+"""Executors by name; `docker` and `slurm` are imported only when a job asks for them."""
 
 from __future__ import annotations
 
@@ -16,4 +16,8 @@ def get_executor(name: str) -> Executor:
         from jobs.executors.docker import DockerExecutor
 
         return DockerExecutor()
-    raise SetupFailed(f"unknown executor {name!r}; use process or docker")
+    if name == "slurm":
+        from jobs.executors.slurm import SlurmExecutor
+
+        return SlurmExecutor()
+    raise SetupFailed(f"unknown executor {name!r}; use process, docker or slurm")

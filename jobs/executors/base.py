@@ -43,6 +43,11 @@ class Launch:
     image: str | None = None
     shm_size: int | None = None
     umask: int = 0o022  # the job's umask (the worker itself runs with 077)
+    lease_file: str | None = None  # shared stores: the worker's lease, enforced where the job runs
+    time_limit: float | None = None  # limits.max_duration, for executors that enforce it themselves (slurm)
+    stop_grace: float = 10.0
+    name: str | None = None  # the job's display name (for a batch system's queue)
+    gpu_request: int = 0  # GPUs the job asks for (an executor that places jobs itself, Slurm, needs the count)
 
 
 @dataclass
@@ -66,6 +71,8 @@ class Exit:
     setup_error: str | None = None  # it could not start (no such binary, missing workdir)
     report: dict[str, Any] | None = None  # the job's own report.json
     unknown: bool = False  # it ended with no record of how (its launcher was killed, say)
+    fenced: bool = False  # stopped where it ran because its worker's lease was running out
+    timed_out: bool = False  # the executor's own time limit ended it (Slurm's --time and --signal)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Recovered:
 
 class Executor(ABC):
     name: str = "base"
+    enforces_time_limit = False  # True: limits.max_duration is the executor's (Slurm), not the scheduler's
 
     @abstractmethod
     def prepare(self, launch: Launch) -> Handle:

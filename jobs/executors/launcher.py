@@ -15,6 +15,17 @@ about 25 ms to start). In order:
    atomically (into space it reserved before the job started, so a full disk cannot lose it),
    then exits with the job's status. A job that ended while no worker was watching is thus
    recorded as it really ended, never as lost.
+
+On a shared store (workers on several hosts) the worker also passes `--lease-file`: a small JSON
+file it rewrites after every heartbeat the store accepted, `{"until": <CLOCK_MONOTONIC s>,
+"grace": s}`. `until` comes before the lease runs out in the store, so when the worker dies or is
+cut off, the launcher itself stops the job (SIGTERM at `until - grace`, SIGKILL at `until`) before
+any other worker's reaper may retry it: a job never runs on two hosts at once, even when its
+worker cannot say so. exit.json then says `"fenced": "lease"`.
+
+Under Slurm (`--forward-signals`, no go or info pipe: sbatch --hold is the hold), a SIGTERM or
+SIGUSR1 to the launcher (Slurm's `--signal=B:TERM@N` before the time limit, or scancel) is passed
+to the job's processes as SIGTERM, and exit.json names it (`"signalled"`).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import stat
 import sys
@@ -44,7 +56,7 @@ def _subreaper() -> bool:
         return False
 
 
-def _child(args: argparse.Namespace, argv: list[str], go_fd: int, err_w: int) -> None:
+def _child(args: argparse.Namespace, argv: list[str], go_fd: int | None, err_w: int) -> None:
     """In the forked child: join the cgroup, wait for go, exec. Never returns."""
     try:
         os.setpgid(0, 0)
@@ -53,11 +65,12 @@ def _child(args: argparse.Namespace, argv: list[str], go_fd: int, err_w: int) ->
         os.umask(args.umask)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE/SIGXFSZ; the job must not inherit that
-        got = os.read(go_fd, 1)
-        os.close(go_fd)
-        if got != b"g":  # EOF: the worker died (or refused) before recording us
-            os.write(err_w, NOGO)
-            os._exit(0)
+        if go_fd is not None:
+            got = os.read(go_fd, 1)
+            os.close(go_fd)
+            if got != b"g":  # EOF: the worker died (or refused) before recording us
+                os.write(err_w, NOGO)
+                os._exit(0)
         if args.cwd:
             try:
                 os.chdir(args.cwd)
@@ -163,10 +176,97 @@ def _stop_leftovers(cgroup: proctree.Cgroup | None, timeout: float = 5.0) -> Non
         time.sleep(0.01)
 
 
+class _Lease:
+    """The worker's lease file, read at most every READ_EVERY_S; a bad read keeps the last good value."""
+
+    READ_EVERY_S = 0.2
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.until: float | None = None
+        self.grace = 0.0
+        self.read_at = 0.0
+        self.termed = False
+        self.killed = False
+        self.read(force=True)
+
+    def read(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.read_at < self.READ_EVERY_S:
+            return
+        self.read_at = now
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                data = json.loads(os.read(fd, 4096))
+            finally:
+                os.close(fd)
+            until, grace = float(data["until"]), float(data.get("grace") or 0.0)
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self.until, self.grace = until, max(0.0, grace)
+
+    def step(self, cgroup: proctree.Cgroup | None) -> None:
+        """Stop the job's tree when the lease is about to run out (TERM) or has (KILL)."""
+        self.read()
+        if self.until is None or self.killed:
+            return
+        now = time.monotonic()
+        if now >= self.until:
+            self.killed = True
+            _signal_tree(cgroup, signal.SIGKILL)
+            print("[offload-jobs] launcher: the worker's lease ran out; job killed", file=sys.stderr, flush=True)
+        elif now >= self.until - self.grace and not self.termed:
+            self.termed = True
+            _signal_tree(cgroup, signal.SIGTERM)
+            print("[offload-jobs] launcher: the worker stopped renewing its lease on the store; stopping the job "
+                  f"(SIGTERM, SIGKILL in {self.until - now:.1f}s)", file=sys.stderr, flush=True)
+
+
+def _signal_tree(cgroup: proctree.Cgroup | None, sig: int) -> None:
+    """`sig` to every process below the launcher (and in the attempt's cgroup)."""
+    if cgroup is not None:
+        if sig == signal.SIGKILL and cgroup.procs():
+            cgroup.kill()
+        proctree.signal_pids([p for p in cgroup.procs() if p != os.getpid()], sig)
+    proctree.signal_pids(proctree.descendants(os.getpid()), sig)
+
+
+def _wait(pid: int, lease: _Lease | None, cgroup: proctree.Cgroup | None) -> int:
+    """The child's wait status; with a lease, checked between short waits."""
+    if lease is None:
+        while True:
+            try:
+                wpid, status = os.waitpid(pid, 0)
+            except InterruptedError:
+                continue
+            if wpid == pid:
+                return status
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while True:
+            wpid, status = os.waitpid(pid, os.WNOHANG)
+            if wpid == pid:
+                return status
+            lease.step(cgroup)
+            if pidfd is not None:
+                select.select([pidfd], [], [], 0.1)
+            else:
+                time.sleep(0.05)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="launcher.py")
-    p.add_argument("--go-fd", type=int, required=True)
-    p.add_argument("--info-fd", type=int, required=True)
+    p.add_argument("--go-fd", type=int, default=None)
+    p.add_argument("--info-fd", type=int, default=None)
+    p.add_argument("--lease-file", default=None)
+    p.add_argument("--forward-signals", action="store_true")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--job-id", required=True)
     p.add_argument("--attempt", type=int, required=True)
@@ -184,6 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     # take the launcher down and lose the exit record.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, f: None)
+    forwarded: list[str] = []
+    child_pid: list[int] = []
+    if args.forward_signals:
+        def forward(signum: int, frame: object) -> None:
+            forwarded.append(signal.Signals(signum).name)
+            if child_pid:
+                try:
+                    os.killpg(child_pid[0], signal.SIGTERM)
+                except OSError:
+                    pass
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, forward)
     subreaper = _subreaper()
     tmp_name = f".exit.json.{args.attempt}.tmp"
     reserved = _reserve(args.run_dir, tmp_name)
@@ -195,10 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(err_r)
-        os.close(args.info_fd)
+        if args.info_fd is not None:
+            os.close(args.info_fd)
         _child(args, cmd, args.go_fd, err_w)
+    child_pid.append(pid)
     os.close(err_w)
-    os.close(args.go_fd)
+    if args.go_fd is not None:
+        os.close(args.go_fd)
     try:  # also from this side, so both hold before the identity is reported (no race with the child)
         os.setpgid(pid, pid)
     except OSError:
@@ -212,20 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     child = proctree.proc_stat(pid)
     info = {"pid": os.getpid(), "starttime": me.starttime if me else None, "child": pid,
             "child_starttime": child.starttime if child else None, "subreaper": subreaper}
-    try:
-        os.write(args.info_fd, (json.dumps(info) + "\n").encode())
-    except OSError:
-        pass  # the worker is gone: the child will read EOF on its go pipe
-    os.close(args.info_fd)
+    if args.info_fd is not None:
+        try:
+            os.write(args.info_fd, (json.dumps(info) + "\n").encode())
+        except OSError:
+            pass  # the worker is gone: the child will read EOF on its go pipe
+        os.close(args.info_fd)
 
     started = time.time()
-    while True:
-        try:
-            wpid, status = os.waitpid(pid, 0)
-        except InterruptedError:
-            continue
-        if wpid == pid:
-            break
+    lease = _Lease(args.lease_file) if args.lease_file else None
+    status = _wait(pid, lease, cgroup)
     finished = time.time()
     err = b""
     while chunk := os.read(err_r, 4096):
@@ -251,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             record["oom"] = None if after is None or oom_before is None else after > oom_before
     if record["ran"]:
         record["report"] = _read_report(args.run_dir)
+    if lease is not None and (lease.termed or lease.killed):
+        record["fenced"] = "lease"
+    if forwarded:
+        record["signalled"] = forwarded[0]
     _write_exit(args.run_dir, tmp_name, reserved, record)
     if record["signal"] is not None:
         return 128 + record["signal"]

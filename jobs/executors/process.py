@@ -80,6 +80,8 @@ class ProcessExecutor(Executor):
                 "--job-id", launch.job_id, "--attempt", str(launch.attempt), "--umask", f"{launch.umask:o}"]
         if cgroup is not None:
             argv += ["--cgroup", cgroup.path]
+        if launch.lease_file:
+            argv += ["--lease-file", launch.lease_file]
         if launch.cwd:
             argv += ["--cwd", launch.cwd]
         go_r, go_w = os.pipe()
@@ -273,7 +275,7 @@ def exit_from_record(rec: dict[str, Any]) -> Exit:
     if code is None and sig is None:
         code = -1
     return Exit(exit_code=code, signal=sig, oom=oom, ran=rec.get("ran") is not False, setup_error=setup,
-                report=report)
+                report=report, fenced=rec.get("fenced") == "lease")
 
 
 def _cgroup_name(job_id: str, attempt: int) -> str:

@@ -1,8 +1,13 @@
 """The worker's FastAPI app: the /v1 JSON API, server-sent events, /metrics and /healthz.
 
-`create_app` wires the store, scheduler, auth and metrics; the lifespan recovers lost attempts
-and runs the scheduler. Handlers are sync (run in the thread pool) except the event stream.
-Every response body is strict JSON (`strict_json`): a NaN in a job's metrics is null on the wire.
+`create_app` wires the store, scheduler, heartbeat, auth and metrics; the lifespan registers the
+worker, recovers its lost attempts and runs the scheduler. Handlers are sync (run in the thread
+pool) except the event stream. Every response body is strict JSON (`strict_json`): a NaN in a
+job's metrics is null on the wire.
+
+On a shared store (`OFFLOAD_JOBS_DB=postgresql+psycopg://...`) every worker's API serves every
+job: the list and events from the store, logs and metrics from what the running worker shipped to
+it, `signal` through the store to the worker that runs the job, and /v1/workers for who runs what.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -37,6 +43,8 @@ from jobs.rundir import RunDir, utf8_safe_end
 from jobs.spec import MAX_SPEC_BYTES, JobSpec, parse_spec
 from jobs.store import TERMINAL, JobStore
 from jobs.worker.auth import AuthMiddleware, BodyLimitMiddleware, allowed_hosts
+from jobs.worker.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, Heartbeat
+from jobs.worker.inventory import Gpu, WorkerIdentity, boot_id, detect_gpus, gpu_usage, slurm_available, worker_id_for
 from jobs.worker.metrics import TimingMiddleware, WorkerMetrics
 from jobs.worker.scheduler import Scheduler
 
@@ -81,12 +89,15 @@ class EventBus:
             ev.set()
 
 
-def open_store(home: Path) -> JobStore:
-    """The state dir's store, refusing to start over a store that lost the history beside it.
+def open_store(home: Path, url: str | None = None) -> JobStore:
+    """The store at `url` (a shared Postgres), else the state dir's, refusing to start over a store
+    that lost the history beside it.
 
     A zero-byte or unreadable jobs.db next to a runs/ that holds jobs means the store was
     truncated or corrupted: starting an empty store there would silently drop every job.
     """
+    if url:
+        return JobStore(url)
     db = home / "jobs.db"
     runs = home / "runs"
     n_runs = sum(1 for _ in runs.iterdir()) if runs.is_dir() else 0
@@ -130,15 +141,26 @@ def _parse_body(raw: bytes) -> Any:
 
 def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: str | None = None,
                max_cpu_jobs: int = 4, gpu_count: int | None = None, extra_hosts: Iterable[str] = (),
-               tick: float = 0.1, job_umask: int = 0o022, max_spec_bytes: int = MAX_SPEC_BYTES) -> FastAPI:
+               tick: float = 0.1, job_umask: int = 0o022, max_spec_bytes: int = MAX_SPEC_BYTES,
+               db_url: str | None = None, worker_id: str | None = None, heartbeat_timeout: float | None = None,
+               gpu_vram: list[int] | None = None, max_slurm_jobs: int | None = None,
+               public_url: str | None = None) -> FastAPI:
     home = Path(home).expanduser()
     secure_home(home)
     token = token or ensure_token(home)
     bus = EventBus()
-    store = open_store(home)
+    db_url = db_url if db_url is not None else (os.environ.get("OFFLOAD_JOBS_DB") or None)
+    store = open_store(home, db_url)
     secure_home(home)  # the store's files, now that they exist
-    if gpu_count is None:
-        gpu_count = _detect_gpus()
+    gpus: list[Gpu] = detect_gpus(gpu_count, gpu_vram)
+    gpu_count = len(gpus)
+    slurm = slurm_available()
+    if max_slurm_jobs is None:
+        max_slurm_jobs = int(os.environ.get("OFFLOAD_JOBS_MAX_SLURM_JOBS", "64")) if slurm else 0
+    executors = ["process", "docker"] + (["slurm"] if slurm and max_slurm_jobs > 0 else [])
+    ident = WorkerIdentity(worker_id_for(home, worker_id), socket.gethostname(), boot_id())
+    timeout = heartbeat_timeout or float(os.environ.get("OFFLOAD_JOBS_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT)
+    state: dict[str, Any] = {"url": public_url}
 
     def on_event(ev: dict[str, Any]) -> None:
         if ev.get("job_id"):
@@ -148,7 +170,27 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         bus.notify()
 
     store.on_event = on_event
-    sched = Scheduler(store, home, gpu_count=gpu_count, max_cpu_jobs=max_cpu_jobs, tick=tick, job_umask=job_umask)
+    sched: Scheduler
+
+    def worker_info() -> dict[str, Any]:
+        return {"url": state["url"], "gpus": gpu_usage(gpus), "cpu_slots": max_cpu_jobs, "executors": executors,
+                "max_slurm_jobs": max_slurm_jobs, "version": jobs.__version__}
+
+    def grace_of(job_id: str, attempt: int) -> float:
+        r = sched.running.get(job_id)
+        return r.spec.limits.stop_grace if r is not None and r.spec is not None else 10.0
+
+    heartbeat = Heartbeat(store, ident, timeout=timeout, home=home, info=worker_info, grace_of=grace_of,
+                          url=public_url)
+    sched = Scheduler(store, home, gpu_count=gpu_count, max_cpu_jobs=max_cpu_jobs, tick=tick, job_umask=job_umask,
+                      gpu_vram=[g.memory_total for g in gpus], worker_id=ident.id, heartbeat=heartbeat,
+                      max_slurm_jobs=max_slurm_jobs)
+    heartbeat.on_reaped = lambda job: sched.wake()
+    listener = None
+    if store.is_postgres:
+        from jobs.worker.listen import Listener
+
+        listener = Listener(store.url, sched.wake, bus.notify)
     metrics = WorkerMetrics(store.counts, lambda: len(sched.running))
     sched.on_finish = metrics.on_finish
     sched.on_start = lambda job: metrics.queue_wait.observe(max(0.0, time.time() - job["created_at"]))
@@ -157,22 +199,30 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bus.bind(asyncio.get_running_loop())
         try:
-            sched.recover()
+            await asyncio.to_thread(heartbeat.register)
+            await asyncio.to_thread(sched.recover)
         except JobsError as exc:  # one line the user (and `up --local`) can read, not uvicorn's traceback
             print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
             raise
+        if listener is not None:
+            listener.start()
         sched.start()
+        heartbeat.start()
         try:
             yield
         finally:
             bus.stopping.set()
             bus.notify()
+            if listener is not None:
+                listener.stop()
             await asyncio.to_thread(sched.stop)
+            await asyncio.to_thread(heartbeat.stop)
             store.close()
 
     app = FastAPI(title="offload-jobs worker", version=jobs.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url="/v1/openapi.json")
     app.state.store, app.state.scheduler, app.state.bus, app.state.home = store, sched, bus, home
+    app.state.heartbeat, app.state.listener, app.state.worker = heartbeat, listener, state
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> Response:
@@ -213,17 +263,41 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         if not isinstance(raw, dict):
             raise SpecError(None, "request body must be {\"spec\": {...}}")
         spec = parse_spec(raw)
-        if spec.gpus > sched.gpu_slots:
-            raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
+        await asyncio.to_thread(_check_fits, spec)
         data = spec.model_dump(mode="json", exclude_unset=True)
         if len(strict_json.dumps(data)) > max_spec_bytes:
             raise RequestTooLarge(f"the spec is over {max_spec_bytes} bytes, the worker's limit")
         await asyncio.to_thread(preflight, spec, has_image=_has_image)
         return spec, data
 
+    def _check_fits(spec: JobSpec) -> None:
+        """Refuse at submit a job that no worker could ever claim (a typo'd GPU count, say)."""
+        slurm_job = spec.executor == "slurm"
+        if not store.shared:
+            if slurm_job and "slurm" not in executors:
+                raise SpecError("executor", "this worker cannot run executor: slurm (Slurm's sbatch, squeue, "
+                                            "scancel and scontrol are not on its PATH)")
+            if not slurm_job and spec.gpus > sched.gpu_slots:
+                raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
+            why = _fit_error(spec, [g.memory_total for g in gpus], "this worker")
+            if not slurm_job and spec.resources.min_vram and why:
+                raise SpecError("resources.min_vram", why)
+            return
+        known = store.workers()
+        if slurm_job:
+            if not any("slurm" in (w.get("executors") or []) for w in known):
+                raise SpecError("executor", "no worker on this store runs executor: slurm (none has Slurm's client "
+                                            "commands on its PATH)")
+            return
+        errors = [_fit_error(spec, [g.get("memory_total") or 0 for g in (w.get("gpus") or [])] or [0],
+                             f"worker {w['id']}") for w in known]
+        if known and all(errors):
+            raise SpecError("resources.min_vram" if spec.resources.min_vram else "resources.gpus",
+                            f"no worker on this store can run it: {'; '.join(e for e in errors[:3] if e)}")
+
     @app.get("/healthz")
     def healthz(challenge: str | None = None) -> Response:
-        out: dict[str, Any] = {"ok": True, "version": jobs.__version__, "pid": os.getpid()}
+        out: dict[str, Any] = {"ok": True, "version": jobs.__version__, "pid": os.getpid(), "worker_id": ident.id}
         if challenge:  # proves to a client that we hold its token, before it sends the token
             out["proof"] = hmac.new(token.encode(), challenge[:256].encode(), hashlib.sha256).hexdigest()
         return _json(out)
@@ -238,11 +312,14 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
 
         def create() -> dict[str, Any]:
             job_id = store.new_id()
+            fields = dict(kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
+                          max_attempts=spec.retry.max_attempts, job_id=job_id, executor=spec.executor,
+                          min_vram=spec.resources.min_vram or 0)
+            if store.shared:  # the worker that claims it makes its run dir, on its own host
+                return store.create_job(data, **fields)
             rd = RunDir.for_job(home, job_id).create(data)  # first, so events.jsonl sees job.created
             try:
-                return store.create_job(
-                    data, kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
-                    max_attempts=spec.retry.max_attempts, run_dir_for=lambda _: str(rd.path), job_id=job_id)
+                return store.create_job(data, run_dir_for=lambda _: str(rd.path), **fields)
             except StoreError:
                 shutil.rmtree(rd.path, ignore_errors=True)  # no half-made job
                 raise
@@ -277,8 +354,14 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     @app.delete("/v1/jobs/{job_id}")
     def delete(job_id: str) -> Response:
         job = store.delete_job(job_id)
-        _remove_run_dir(home, job)
+        _remove_run_dir(home, job, ident.id if store.shared else None)
         return _json({"deleted": [job["id"]]})
+
+    @app.get("/v1/workers")
+    def workers() -> Response:
+        """Every worker on this store: its host, GPUs (and the job on each), slots, heartbeat, running attempts."""
+        return _json({"workers": store.workers(), "this": ident.id, "shared": store.shared,
+                      "store": "postgresql" if store.is_postgres else "sqlite"})
 
     @app.post("/v1/prune")
     async def prune(request: Request) -> Response:
@@ -290,7 +373,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         gone = await asyncio.to_thread(store.prune, time.time() - float(older), dry_run=dry)
         if not dry:
             for job in gone:
-                _remove_run_dir(home, job)
+                _remove_run_dir(home, job, ident.id if store.shared else None)
         return _json({"deleted": [j["id"] for j in gone], "dry_run": dry, "jobs": gone})
 
     @app.post("/v1/jobs/{job_id}/cancel")
@@ -322,19 +405,26 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
             raise InvalidTransition(f"job {job['id']} is a {job['kind']} job; only train jobs take signals")
         if job["status"] != "RUNNING":
             raise InvalidTransition(f"job {job['id']} is {job['status']}; signals reach running jobs only")
-        rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
         record = {"ts": time.time(), "action": action, "attempt": job.get("attempt")}
-        with open(rd.path / "control.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if store.shared and job.get("worker_id") != ident.id:  # runs elsewhere: its worker delivers it
+            await asyncio.to_thread(store.add_event, job["id"], "job.control",
+                                    {**record, "worker_id": job.get("worker_id")})
+        else:
+            rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
+            with open(rd.path / "control.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
         return _json({"id": job["id"], "action": action, "status": job["status"], "attempt": job.get("attempt")}, 202)
     # ---- end of runner controls ---------------------------------------------------------------------
 
     @app.get("/v1/jobs/{job_id}/logs")
     def logs(job_id: str, offset: int = 0, limit: int | None = None) -> Response:
         job = store.get_job(job_id)  # the status first: if terminal now, the file is final
-        rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
         limit = LOG_CHUNK if limit is None else max(0, min(limit, LOG_CHUNK))
-        start, data, size = rd.read_log(offset, limit)
+        if store.shared:  # whichever host runs it shipped it here (its completion ships the last bytes)
+            start, data, size = store.read_log(job["id"], offset, limit)
+        else:
+            rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
+            start, data, size = rd.read_log(offset, limit)
         terminal = job["status"] in TERMINAL
         if not (terminal and start + len(data) == size):
             data = data[: utf8_safe_end(data)]
@@ -345,8 +435,11 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     @app.get("/v1/jobs/{job_id}/metrics")
     def job_metrics(job_id: str, offset: int = 0) -> Response:
         job = store.get_job(job_id)
-        rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
-        records, nxt = rd.read_metrics(max(0, offset))
+        if store.shared:  # record numbers, not bytes: the store holds records
+            records, nxt = store.metric_records(job["id"], max(0, offset))
+        else:
+            rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
+            records, nxt = rd.read_metrics(max(0, offset))
         return _json({"offset": offset, "next_offset": nxt, "records": records})
 
     @app.get("/v1/events")
@@ -365,10 +458,17 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     return app
 
 
-def _remove_run_dir(home: Path, job: dict[str, Any]) -> None:
-    """Remove a deleted job's run dir, and only if it is where the worker puts run dirs."""
+def _remove_run_dir(home: Path, job: dict[str, Any], me: str | None = None) -> None:
+    """Remove a deleted job's run dir, and only if it is where the worker puts run dirs.
+
+    On a shared store (`me` set) only this worker's: another host's run dir stays where it is.
+    """
+    if me is not None and job.get("worker_id") not in (me, None):
+        return
     runs = (home / "runs").resolve()
     path = Path(job.get("run_dir") or runs / job["id"])
+    if me is not None and not path.exists():
+        return
     if path.parent.resolve() != runs or path.name != job["id"] or path.is_symlink():
         log.warning("not removing %s: not a run dir of %s", path, home)
         return
@@ -401,20 +501,21 @@ async def _stream(store: JobStore, bus: EventBus, request: Request, last_id: int
             pass
 
 
-def _detect_gpus() -> int:
-    env = os.environ.get("OFFLOAD_JOBS_GPUS")
-    if env is not None and env.strip().isdigit():
-        return int(env)
-    try:
-        import pynvml  # nvidia-ml-py; absent or failing means no GPU
+def _fit_error(spec: JobSpec, vram: list[int], who: str) -> str | None:
+    """Why `who`, with GPUs of `vram` bytes each (0: unknown), could never run `spec`; None when it could.
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return 0
+    A worker with no GPU has one slot of 0 bytes: GPU jobs without `min_vram` run there on the CPU.
+    """
+    need = spec.gpus
+    floor = spec.resources.min_vram or 0
+    if need == 0:
+        return None
+    if len(vram) < need:
+        return f"asks for {need} GPUs; {who} has {len(vram)}"
+    if sum(1 for v in vram if v >= floor) < need:
+        have = ", ".join(f"{v / 2**30:.1f} GiB" if v else "unknown" for v in sorted(vram, reverse=True))
+        return f"asks for {need} GPU(s) of at least {floor / 2**30:.1f} GiB; {who} has {have}"
+    return None
 
 
 # ---------------------------------------------------------------- for the dashboard and `report` (issue 14)

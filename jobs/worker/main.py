@@ -41,6 +41,9 @@ class _Server(uvicorn.Server):
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         info = {"url": url, "pid": os.getpid(), "host": self.host, "port": port, "started_at": time.time()}
         write_private(self.home / WORKER_FILE, json.dumps(info))
+        worker = getattr(getattr(_unwrap(self.config.loaded_app), "state", None), "worker", None)
+        if isinstance(worker, dict) and not worker.get("url"):
+            worker["url"] = url  # what /v1/workers shows (--advertise-url says better for other hosts)
         print(f"offload-jobs worker listening on {url} (state dir {self.home})", file=sys.stderr, flush=True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -87,7 +90,9 @@ def _lock(home: Path) -> Any:
 
 def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os.PathLike[str] | None = None,
                *, max_cpu_jobs: int = 4, gpus: int | None = None, allow_hosts: list[str] | None = None,
-               log_level: str = "warning", max_spec_bytes: int | None = None) -> None:
+               log_level: str = "warning", max_spec_bytes: int | None = None, db_url: str | None = None,
+               worker_id: str | None = None, heartbeat_timeout: float | None = None, gpu_vram: str | None = None,
+               max_slurm_jobs: int | None = None, advertise_url: str | None = None) -> None:
     from jobs.spec import MAX_SPEC_BYTES
     from jobs.worker.app import create_app
 
@@ -97,8 +102,14 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
     lock = _lock(h)
     try:
         extra = list(allow_hosts or []) + [x for x in os.environ.get("OFFLOAD_JOBS_ALLOWED_HOSTS", "").split(",") if x]
+        from jobs.worker.inventory import parse_vram_list
+
+        vram_text = gpu_vram if gpu_vram is not None else os.environ.get("OFFLOAD_JOBS_GPU_VRAM")
         app = create_app(h, host=host, max_cpu_jobs=max_cpu_jobs, gpu_count=gpus, extra_hosts=extra,
-                         job_umask=job_umask, max_spec_bytes=max_spec_bytes or MAX_SPEC_BYTES)
+                         job_umask=job_umask, max_spec_bytes=max_spec_bytes or MAX_SPEC_BYTES, db_url=db_url,
+                         worker_id=worker_id, heartbeat_timeout=heartbeat_timeout,
+                         gpu_vram=parse_vram_list(vram_text) if vram_text else None, max_slurm_jobs=max_slurm_jobs,
+                         public_url=advertise_url)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=5, access_log=False)
         # uvicorn re-raises the signal that stopped it once it has shut down; make that a clean return.
@@ -129,11 +140,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-host", action="append", default=[], help="extra Host header name to accept")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--max-spec-bytes", type=int, default=None, help="largest spec accepted (default 1 MiB)")
+    p.add_argument("--db", default=None, help="shared store URL, e.g. postgresql+psycopg://user@host/db "
+                                               "(default $OFFLOAD_JOBS_DB; none: the state dir's SQLite)")
+    p.add_argument("--worker-id", default=None, help="this worker's name (default $OFFLOAD_JOBS_WORKER_ID, "
+                                                      "else one kept in the state dir)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="seconds without a heartbeat before this worker's jobs are retried elsewhere (default "
+                        "$OFFLOAD_JOBS_HEARTBEAT_TIMEOUT or 30)")
+    p.add_argument("--gpu-vram", default=None, help="declare the GPUs and their memory, e.g. 24GiB,8GiB (default: NVML)")
+    p.add_argument("--max-slurm-jobs", type=int, default=None,
+                   help="attempts this worker keeps in Slurm at once (default 64 where sbatch is on PATH)")
+    p.add_argument("--advertise-url", default=None, help="the API URL other hosts use for this worker")
     a = p.parse_args(argv)
+    if a.heartbeat_timeout is not None and not (1.0 <= a.heartbeat_timeout <= 3600):
+        p.error("--heartbeat-timeout must be between 1 and 3600 seconds")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run_worker(a.host, a.port, a.home, max_cpu_jobs=a.max_cpu_jobs, gpus=a.gpus, allow_hosts=a.allow_host,
-                   log_level=a.log_level, max_spec_bytes=a.max_spec_bytes)
+                   log_level=a.log_level, max_spec_bytes=a.max_spec_bytes, db_url=a.db, worker_id=a.worker_id,
+                   heartbeat_timeout=a.heartbeat_timeout, gpu_vram=a.gpu_vram, max_slurm_jobs=a.max_slurm_jobs,
+                   advertise_url=a.advertise_url)
     except JobsError as exc:
         # One line, and the line `up --local` shows: the real cause, not a library's link.
         print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)

@@ -12,6 +12,15 @@ Exactly once, through crashes:
 - at start, `recover` adopts attempts whose child still runs, records the real exit of those that
   ended while no worker watched (exit.json, the container's state), and kills what is left of any
   other before it is retried.
+
+With a shared store (Postgres, workers on several hosts) it also:
+- claims only what fits its free GPUs (count and `resources.min_vram`), CPU slots and Slurm slots,
+  each attempt held by this worker under a lease that the heartbeat renews;
+- stops an attempt whose lease the heartbeat did not renew (another worker's reaper took it) and
+  records nothing over the retry; stops every attempt itself before its local lease deadline when
+  the store cannot be reached (jobs/worker/heartbeat.py);
+- ships each attempt's log and metrics to the store (jobs/worker/shipping.py), and delivers the
+  `signal` controls sent through other workers' APIs.
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jobs.errors import JobNotFound, SpecError, StoreError
+from jobs.errors import JobNotFound, RunDirError, SpecError, StoreError
 from jobs.executors import Executor, Exit, Handle, Launch, SetupFailed, classify, get_executor
 from jobs.rundir import RunDir
 from jobs.runners import get_runner
 from jobs.spec import JobSpec, parse_spec
-from jobs.store import JobStore
+from jobs.store import JobStore, LeaseLost
 from jobs.worker.faults import FaultPoints
+from jobs.worker.heartbeat import Heartbeat, LeaseFiles
+from jobs.worker.shipping import SHIP_EVERY_S, Shipment
 
 __all__ = ["Scheduler", "worker_env"]
 
@@ -68,6 +79,10 @@ class _Running:
     retry_at: float = 0.0
     failures: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    claim_sent: float = 0.0  # monotonic time the claim was sent (its local lease deadline counts from then)
+    claimed: float = 0.0  # and when it had committed: only a renewal sent after that must have renewed it
+    fenced: bool = False  # its lease is gone: stopped, and its end is not ours to record
+    ship: Shipment | None = None  # shared stores: what of its output reached the store
 
 
 def worker_env(environ: Any) -> dict[str, str]:
@@ -90,12 +105,22 @@ def worker_env(environ: Any) -> dict[str, str]:
 class Scheduler:
     def __init__(self, store: JobStore, home: Path, *, gpu_count: int = 0, max_cpu_jobs: int = 4,
                  tick: float = 0.1, on_finish: Callable[[dict[str, Any]], None] | None = None,
-                 on_start: Callable[[dict[str, Any]], None] | None = None, job_umask: int = 0o022) -> None:
+                 on_start: Callable[[dict[str, Any]], None] | None = None, job_umask: int = 0o022,
+                 gpu_vram: list[int] | None = None, worker_id: str | None = None,
+                 heartbeat: Heartbeat | None = None, max_slurm_jobs: int = 0) -> None:
         self.store = store
         self.home = Path(home)
         self.gpu_count = gpu_count
         # With no GPU, "GPU" jobs still run one at a time (on the CPU).
         self.gpu_slots = max(1, gpu_count)
+        self.gpu_vram = {i: int(v) for i, v in enumerate(gpu_vram or []) if i < gpu_count}  # bytes; absent: unknown
+        self.worker_id = worker_id
+        self.heartbeat = heartbeat
+        self.shared = store.shared and heartbeat is not None  # leases, fencing and shipping apply
+        self.leases = LeaseFiles(self.home)
+        self.max_slurm_jobs = max_slurm_jobs
+        self._control_cursor: int | None = None
+        self._controls_checked = 0.0
         self.max_cpu_jobs = max_cpu_jobs
         self.tick = tick
         self.on_finish = on_finish
@@ -163,22 +188,45 @@ class Scheduler:
             log.warning("%s: %s (retrying)", what, exc)
 
     def _start_pending(self) -> None:
-        if time.monotonic() < self._claim_blocked_until:
+        if time.monotonic() < self._claim_blocked_until or not self._may_claim():
             return
         while not self._stop.is_set():
-            cpu_free = self.max_cpu_jobs - sum(1 for r in self.running.values() if r.spec is None or r.spec.gpus == 0)
-            gpu_free = len(self._free_gpus)
+            local = [r for r in self.running.values() if not _is_slurm(r)]
+            cpu_free = self.max_cpu_jobs - sum(1 for r in local if r.spec is None or r.spec.gpus == 0)
+            slurm_free = self.max_slurm_jobs - sum(1 for r in self.running.values() if _is_slurm(r))
+            sent = time.monotonic()
             try:
-                job = self.store.claim_next(gpu_slots=gpu_free, cpu_slots=cpu_free)
+                job = self.store.claim_next(
+                    gpu_slots=len(self._free_gpus), cpu_slots=cpu_free, slurm_slots=slurm_free,
+                    gpu_vram=[self.gpu_vram.get(g, 0) for g in self._free_gpus], worker_id=self.worker_id,
+                    lease_s=self.heartbeat.timeout if self.shared else None,
+                    run_root=str(self.home / "runs") if self.shared else None)
             except StoreError as exc:
                 self._store_trouble("cannot claim jobs", exc)
                 self._claim_blocked_until = time.monotonic() + 1.0
                 return
             if job is None:
                 return
-            self._launch(job)
+            self._launch(job, sent, time.monotonic())
 
-    def _launch(self, job: dict[str, Any]) -> None:
+    def _may_claim(self) -> bool:
+        """Shared stores: only with a fresh lease (a worker cut off from the store takes no more work)."""
+        if not self.shared:
+            return True
+        hb = self.heartbeat
+        assert hb is not None
+        return not hb.lost_id and hb.deadline is not None and time.monotonic() < hb.deadline - hb.timeout / 2
+
+    def _pick_gpus(self, spec: JobSpec) -> list[int]:
+        """`spec.gpus` free GPUs with at least `min_vram` each, the smallest that fit first."""
+        need, floor = spec.gpus, spec.resources.min_vram or 0
+        fit = sorted((g for g in self._free_gpus if self.gpu_vram.get(g, 0) >= floor),
+                     key=lambda g: (self.gpu_vram.get(g, 0), g))
+        chosen = fit[:need] if len(fit) >= need else self._free_gpus[:need]
+        self._free_gpus = [g for g in self._free_gpus if g not in chosen]
+        return sorted(chosen)
+
+    def _launch(self, job: dict[str, Any], claim_sent: float | None = None, claimed: float | None = None) -> None:
         job_id, number = job["id"], job["attempt"]
         run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
         try:
@@ -186,27 +234,43 @@ class Scheduler:
         except SpecError as exc:  # a spec that no longer validates (older schema)
             self._settle(self._pending(job_id, number, run_dir), _Outcome("FAILED", "setup_failed", None, f"spec: {exc}"))
             return
-        gpus: list[int] = []
-        if spec.gpus > 0:
-            gpus, self._free_gpus = self._free_gpus[: spec.gpus], self._free_gpus[spec.gpus:]
+        slurm = spec.executor == "slurm"
+        gpus = self._pick_gpus(spec) if spec.gpus > 0 and not slurm else []
         r = _Running(job_id, number, spec, run_dir, None, None, gpus, time.monotonic())
+        r.claim_sent = claim_sent if claim_sent is not None else time.monotonic()
+        r.claimed = claimed if claimed is not None else time.monotonic()
         self.running[job_id] = r
+        lease_file = None
         try:
             if not run_dir.spec_file.exists():
                 run_dir.create(job["spec"])
+            if self.shared:
+                assert self.heartbeat is not None
+                lease_file = str(self.leases.path(job_id, number))
+                self.leases.write(job_id, number, self.heartbeat.claim_deadline(r.claim_sent),
+                                  self.heartbeat.lease_grace(job_id, number))
+                r.ship = Shipment.begin(run_dir)
             run_dir.clear_report()
             note = f"[offload-jobs] attempt {number}/{job['max_attempts']} of job {job_id} starting"
+            if self.shared:
+                note += f" on worker {self.worker_id}"
             if number > 1 and job.get("reason"):
                 note += f" (previous attempt: {job['reason']})"
             run_dir.append_log(note + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
+            if self.worker_id:
+                plan.env["OFFLOAD_JOBS_WORKER_ID"] = self.worker_id
             r.executor = self._executor(spec.executor)
             r.handle = r.executor.prepare(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
                 gpus=gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
                 job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v}, umask=self.job_umask,
+                lease_file=lease_file, time_limit=spec.limits.max_duration, stop_grace=spec.limits.stop_grace,
+                name=spec.display_name(), gpu_request=spec.gpus,
             ))
+            if r.ship is not None:
+                r.handle.info.update(log_start=r.ship.log_start, metrics_start=r.ship.metrics_start)
         except Exception as exc:  # SetupFailed, or anything else that kept the attempt from starting
             if not isinstance(exc, (SetupFailed, OSError)):
                 log.exception("could not start job %s", job_id)
@@ -219,7 +283,14 @@ class Scheduler:
         h = r.handle
         try:
             go = self.store.mark_running(job_id, number, executor=r.executor.name, pid=h.pid, pgid=h.pgid,
-                                         handle=h.info, worker_pid=os.getpid())
+                                         handle=h.info, worker_pid=os.getpid(),
+                                         worker_id=self.worker_id if self.shared else None)
+        except LeaseLost:
+            # Reaped while we prepared it (a stall past the lease): drop it unrun, record nothing.
+            log.warning("job %s: attempt %d was taken over before it started; not starting it", job_id, number)
+            r.executor.abort(h)
+            self._drop(r)
+            return
         except StoreError as exc:
             # Unrecorded children never run: drop it; the attempt is retried once the store answers.
             log.warning("job %s: cannot record attempt %d (%s); not starting it", job_id, number, exc)
@@ -234,6 +305,18 @@ class Scheduler:
         r.executor.release(h)
         if self.on_start and number == 1:
             self.on_start(job)
+
+    def _drop(self, r: _Running) -> None:
+        """Forget an attempt that is not ours to record (its lease was taken), once it is stopped."""
+        if r.handle is not None and r.executor is not None:
+            try:
+                r.executor.cleanup(r.handle)
+            except Exception:
+                log.exception("cleanup of job %s failed", r.job_id)
+        self.leases.remove(r.job_id, r.attempt)
+        self.running.pop(r.job_id, None)
+        self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
+        self._free_gpus.sort()
 
     def _pending(self, job_id: str, number: int, run_dir: RunDir) -> _Running:
         r = _Running(job_id, number, None, run_dir, None, None, [], time.monotonic())
@@ -250,6 +333,8 @@ class Scheduler:
             return
         now = time.monotonic()
         cancelling = self._cancelling_ids()
+        if self.shared and not final:
+            self._deliver_controls(now)
         for r in list(self.running.values()):
             if r.outcome is not None:
                 if now >= r.retry_at:
@@ -257,21 +342,86 @@ class Scheduler:
                 continue
             if r.handle is None or r.executor is None:
                 continue
+            if self.shared:
+                self._fence(r, now)
             ex = r.executor.poll(r.handle)
             if ex is not None:
                 self._on_exit(r, ex)
                 continue
             limits = r.spec.limits if r.spec is not None else None
+            own_limit = limits and limits.max_duration and not r.executor.enforces_time_limit
             if r.stop_reason is None and r.job_id in cancelling:
                 self._begin_stop(r, "cancelled")
-            elif r.stop_reason is None and limits and limits.max_duration and now - r.started > limits.max_duration:
+            elif r.stop_reason is None and own_limit and now - r.started > limits.max_duration:
                 r.run_dir.append_log(f"[offload-jobs] max_duration {limits.max_duration:g}s exceeded; stopping\n")
                 self._begin_stop(r, "timeout")
             elif r.kill_at is not None and not r.killed and now >= r.kill_at:
                 r.killed = True
                 r.executor.kill(r.handle)
-            if not final and now - r.metrics_checked > self.METRICS_EVERY_S:
+            if not final and r.ship is not None and now - r.ship.last > SHIP_EVERY_S:
+                self._ship(r)
+            elif not final and r.ship is None and now - r.metrics_checked > self.METRICS_EVERY_S:
                 self._read_metrics(r)
+
+    def _fence(self, r: _Running, now: float) -> None:
+        """Stop `r` when its lease is gone (taken: at once) or about to run out locally (from grace before)."""
+        hb = self.heartbeat
+        assert hb is not None and r.executor is not None and r.handle is not None
+        if not r.fenced and (hb.lost_id or not hb.holds(r.job_id, r.attempt, r.claimed)):
+            r.fenced = True
+            r.run_dir.append_log(f"[offload-jobs] attempt {r.attempt} is no longer this worker's (its lease ran out "
+                                 "and another worker took it over); stopping it\n")
+            log.warning("job %s attempt %d: lease lost; killing it", r.job_id, r.attempt)
+            r.stop_reason = r.stop_reason or "fenced"
+            r.killed = True
+            r.executor.kill(r.handle)
+            return
+        deadline = hb.deadline
+        if deadline is None or r.fenced or r.stop_reason == "fenced":
+            return
+        grace = hb.lease_grace(r.job_id, r.attempt)
+        if now >= deadline - grace:
+            r.run_dir.append_log("[offload-jobs] cannot renew the lease on the store; stopping the attempt before "
+                                 "another worker may retry it\n")
+            self._begin_stop(r, "fenced", grace=max(0.0, deadline - now))
+
+    def _ship(self, r: _Running) -> None:
+        assert r.ship is not None and self.worker_id is not None
+        r.ship.last = time.monotonic()
+        data, records, offset = r.ship.take(r.run_dir)
+        if not data and not records:
+            return
+        try:
+            self.store.append_output(r.job_id, r.attempt, self.worker_id, log=data, metrics=records)
+        except LeaseLost:
+            return  # the heartbeat's next renewal will say so, and _fence stops it
+        except StoreError as exc:
+            self._store_trouble(f"job {r.job_id}: cannot ship its output", exc)
+            return
+        r.ship.sent(data, records, offset)
+
+    def _deliver_controls(self, now: float) -> None:
+        """`signal` controls sent through any worker's API reach the run dir of the attempt running here."""
+        if now - self._controls_checked < SHIP_EVERY_S:
+            return
+        self._controls_checked = now
+        try:
+            if self._control_cursor is None:
+                self._control_cursor = self.store.last_event_id()
+                return
+            events = self.store.events_since(self._control_cursor, 500, types=["job.control"])
+        except StoreError as exc:
+            self._store_trouble("cannot read job controls", exc)
+            return
+        for ev in events:
+            self._control_cursor = ev["id"]
+            r = self.running.get(ev.get("job_id") or "")
+            if r is None or r.attempt != ev.get("attempt") or ev.get("worker_id") != self.worker_id:
+                continue
+            try:
+                r.run_dir.append_control({"ts": ev.get("ts"), "action": ev.get("action"), "attempt": r.attempt})
+            except (OSError, RunDirError) as exc:
+                log.warning("job %s: cannot deliver control %s: %s", r.job_id, ev.get("action"), exc)
 
     def _cancelling_ids(self) -> set[str]:
         # One cheap indexed query per tick instead of one per running job.
@@ -326,6 +476,12 @@ class Scheduler:
                             never_ran=True)
         if stop_reason == "shutdown":
             return _Outcome("FAILED", "worker_lost", code, "the worker stopped while the job ran")
+        if stop_reason == "fenced" or (ex.fenced and stop_reason != "cancelled"):
+            return _Outcome("FAILED", "worker_lost", code, "its worker could not renew the lease on the store (cut "
+                                                             "off, or stopped); the attempt was stopped so that a "
+                                                             "retry never runs beside it")
+        if ex.timed_out and stop_reason != "cancelled":
+            return _Outcome("FAILED", "timeout", code, "exceeded limits.max_duration (the executor's time limit)")
         if ex.unknown:
             if stop_reason == "cancelled":
                 return _Outcome("CANCELLED", "cancelled", None, None)
@@ -343,10 +499,15 @@ class Scheduler:
         o = r.outcome
         assert o is not None
         retry_on = list(r.spec.retry.on) if r.spec is not None else []
+        output, shipped = None, None
+        if r.ship is not None:
+            shipped = r.ship.take(r.run_dir, final=True)
+            output = {"log": shipped[0], "metrics": shipped[1]}
         try:
             job = self.store.finish_attempt(r.job_id, r.attempt, status=o.status, reason=o.reason,
                                             exit_code=o.exit_code, message=o.message, retry_on=retry_on,
-                                            never_ran=o.never_ran)
+                                            never_ran=o.never_ran, worker_id=self.worker_id if self.shared else None,
+                                            output=output)
         except StoreError as exc:
             r.failures += 1
             r.retry_at = time.monotonic() + min(RETRY_MAX_S, 0.1 * 2 ** r.failures)
@@ -354,14 +515,21 @@ class Scheduler:
                 log.warning("job %s: completion of attempt %d not recorded yet (%s); kept, retrying",
                             r.job_id, r.attempt, exc)
             return
-        if r.failures:
+        if self.shared and not job.get("recorded", True):
+            log.warning("job %s: attempt %d was closed by a reaper meanwhile (its lease ran out; the job is %s, "
+                        "attempt %s on %s); its end here (%s) is not recorded", r.job_id, r.attempt, job.get("status"),
+                        job.get("attempt"), job.get("worker_id"), o.reason or o.status)
+        elif r.failures:
             log.warning("job %s: completion of attempt %d recorded after %d failed writes", r.job_id, r.attempt,
                         r.failures)
+        if r.ship is not None and shipped is not None:
+            r.ship.sent(*shipped)
         if r.handle is not None and r.executor is not None:
             try:
                 r.executor.cleanup(r.handle)
             except Exception:
                 log.exception("cleanup of job %s failed", r.job_id)
+        self.leases.remove(r.job_id, r.attempt)
         self.running.pop(r.job_id, None)
         self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
         self._free_gpus.sort()
@@ -376,7 +544,7 @@ class Scheduler:
         Returns the ids of the jobs whose attempt was not adopted.
         """
         settled = []
-        for a in self.store.live_attempts():
+        for a in self.store.live_attempts(worker_id=self.worker_id if self.shared else None):
             job_id, number = a["job_id"], a["number"]
             job = self.store.get_job(job_id)
             run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
@@ -417,6 +585,7 @@ class Scheduler:
             self._settle(r, outcome)
             settled.append(job_id)
         self._sweep()
+        self.leases.sweep(lambda job_id, attempt: job_id in self.running and self.running[job_id].attempt == attempt)
         return settled
 
     def _sweep(self) -> None:
@@ -437,6 +606,10 @@ class Scheduler:
                 self.store.get_job(job_id)
             except JobNotFound:
                 return True  # not this store's job: another worker's
+            if self.shared:  # workers on this host share the cgroup root: leave the others' live attempts
+                a = self.store.attempt(job_id, attempt)
+                if a is None or (a["status"] in ("STARTING", "RUNNING") and a.get("worker_id") != self.worker_id):
+                    return True
             return False
 
         try:
@@ -457,8 +630,18 @@ class Scheduler:
             r.metrics_offset = run_dir.metrics_file.stat().st_size
         except OSError:
             pass
+        if self.shared:
+            r.claim_sent = r.claimed = 0.0  # held only if the first renewal renewed it
+            try:
+                r.ship = Shipment.resume(run_dir, handle.info, self.store.shipped(job["id"], a["number"]))
+            except StoreError:
+                r.ship = Shipment.begin(run_dir)
         self.running[job["id"]] = r
         run_dir.append_log(f"[offload-jobs] worker restarted; attempt {a['number']} is still running and was adopted\n")
         if stop is not None:
             self._begin_stop(r, stop)
         log.info("adopted job %s attempt %d (pid %s)", job["id"], a["number"], handle.pid)
+
+
+def _is_slurm(r: _Running) -> bool:
+    return r.spec is not None and r.spec.executor == "slurm"

@@ -53,7 +53,7 @@ negatives = st.integers(max_value=-1)
 BAD_VALUES: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("priority", st.one_of(words, st.floats(min_value=0.1, max_value=9.9).filter(lambda f: f != int(f)))),
     ("name", st.text(string.ascii_letters, min_size=201, max_size=260)),
-    ("executor", words.filter(lambda s: s not in ("process", "docker"))),
+    ("executor", words.filter(lambda s: s not in ("process", "docker", "slurm"))),
     ("kind", words.filter(lambda s: s not in ("train", "infer", "shard", "command"))),
     ("train.steps", st.one_of(st.integers(max_value=0), words)),
     ("train.learning_rate", st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), words)),
@@ -74,6 +74,7 @@ BAD_VALUES: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("offload.max_memory", st.one_of(words, negatives)),
     ("resources.gpus", negatives),
     ("resources.shm_size", words),
+    ("resources.min_vram", st.one_of(words, negatives)),
     ("retry.max_attempts", st.integers(max_value=0)),
     ("retry.on", st.one_of(st.lists(words, min_size=1, max_size=3), st.just(["cancelled"]))),
     ("limits.max_duration", st.one_of(words, st.integers(max_value=0))),
