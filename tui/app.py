@@ -22,6 +22,11 @@ from tui.feed import ConnectionState, JobsSnapshot, MetricRows, WorkerEvent, Wor
 
 __all__ = ["DashboardApp", "main"]
 
+# How often the running jobs' rows are re-read (one small request: live jobs only; queued ones
+# change by events). The worker records a running job's newest metrics every 0.4 s, so the
+# table's progress moves at about 2.5 Hz.
+LIVE_POLL_S = 0.4
+
 ClientFactory = Callable[[], JobsClient]
 
 
@@ -38,7 +43,7 @@ class DashboardApp(App):
     """
 
     def __init__(self, make_client: ClientFactory | None = None, *, url: str = "", read_only: bool = False,
-                 poll_s: float = 1.0, refresh_s: float = 0.25, open_job: str | None = None, open_logs: bool = False,
+                 poll_s: float = LIVE_POLL_S, refresh_s: float = 0.25, open_job: str | None = None, open_logs: bool = False,
                  tail: int | None = None, follow: bool = True, clock: Callable[[], float] = time.time,
                  feed: bool = True, gpu: bool = True, start_dir: str | None = None, retry_max_s: float = 5.0) -> None:
         super().__init__()
@@ -208,7 +213,7 @@ def client_factory(url: str | None = None, token: str | None = None,
 
 
 def main(*, url: str | None = None, token: str | None = None, home: str | None = None, read_only: bool = False,
-         job: str | None = None, logs: bool = False, tail: int | None = None, poll_s: float = 1.0) -> None:
+         job: str | None = None, logs: bool = False, tail: int | None = None, poll_s: float = LIVE_POLL_S) -> None:
     """Run the dashboard against the worker named by `url`/`token`, or by the state dir (`home`)."""
     make_client, shown = client_factory(url, token, home)
     DashboardApp(make_client, url=shown, read_only=read_only, open_job=job, open_logs=logs, tail=tail,

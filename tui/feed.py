@@ -98,6 +98,13 @@ class WorkerFeed:
         self._threads: list[threading.Thread] = []
         self._clients: list[JobsClient] = []
 
+    def set_poll_s(self, seconds: float) -> None:
+        """Change how often the live jobs are re-read; a shorter interval starts with a read now."""
+        shorter = seconds < self.poll_s
+        self.poll_s = seconds
+        if shorter:
+            self._wake.set()
+
     def start(self) -> None:
         for target, name in ((self._poll_loop, "tui-poll"), (self._event_loop, "tui-events")):
             t = threading.Thread(target=target, name=name, daemon=True)

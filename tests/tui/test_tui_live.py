@@ -190,3 +190,23 @@ async def test_submit_screen_bad_override_then_a_job_that_succeeds(worker, monke
                     timeout=120)
     job = worker.client().get(jid)
     assert job["spec"]["env"]["TOY_STEPS"] == "3" and job["spec"]["limits"]["stop_grace"] == 3.0
+
+
+async def test_live_rows_are_reread_less_often_while_the_table_is_covered(worker) -> None:
+    """The jobs table re-reads its running rows every poll (their progress moves); the detail
+    screen covering it has its own metrics tail, so meanwhile the poller slows to COVERED_POLL_S."""
+    from tui.screens.jobs import COVERED_POLL_S
+
+    app = make_app(worker, poll_s=0.2)
+    async with app.run_test(size=(160, 40)) as pilot:
+        with worker.client() as c:
+            jid = c.submit(engine_job("tui-poll", steps=5, rate=20))["id"]
+        await until(pilot, lambda: jid in app.screen.shown, what="the job's row")
+        assert app.feed.poll_s == 0.2
+        app.screen.table.move_cursor(row=app.screen.table.get_row_index(jid))
+        await pilot.press("enter")
+        assert isinstance(app.screen, DetailScreen)
+        assert app.feed.poll_s == COVERED_POLL_S
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert app.feed.poll_s == 0.2

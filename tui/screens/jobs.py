@@ -33,6 +33,7 @@ COLUMNS = (("id", "ID"), ("name", "NAME"), ("kind", "KIND"), ("status", "STATUS"
            ("progress", "PROGRESS"), ("vram", "PEAK VRAM/BUDGET"), ("hit", "HIT"), ("age", "AGE"))
 AGE = len(COLUMNS) - 1
 AGE_TICK_S = 1.0
+COVERED_POLL_S = 1.0  # the live jobs' re-read while another screen covers this one (statuses come by events)
 STATUS_STYLE = {"PENDING": "dim", "STARTING": "cyan", "RUNNING": "bold cyan", "CANCELLING": "yellow",
                 "SUCCEEDED": "green", "FAILED": "bold red", "CANCELLED": "yellow"}
 
@@ -104,6 +105,7 @@ class JobsScreen(JobActions, Screen):
         self.filter_text = ""
         self._seen = -1  # the app's version drawn
         self._age_tick = 0.0
+        self._poll_s: float | None = None  # the feed's interval while this screen is covered
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -122,10 +124,18 @@ class JobsScreen(JobActions, Screen):
     def on_screen_suspend(self) -> None:
         self._timer.pause()  # under another screen: nothing to draw
         self.query_one(GpuPanel).pause()
+        feed = getattr(self.app, "feed", None)
+        if feed is not None:  # the rows' progress is not on view: re-read the live jobs less often
+            self._poll_s = feed.poll_s
+            feed.set_poll_s(max(feed.poll_s, COVERED_POLL_S))
 
     def on_screen_resume(self) -> None:
         self._timer.resume()
         self.query_one(GpuPanel).resume()
+        feed = getattr(self.app, "feed", None)
+        if feed is not None and self._poll_s is not None:
+            feed.set_poll_s(self._poll_s)
+            self._poll_s = None
         self.sync()  # back from the detail screen: what changed meanwhile
 
     # ------------------------------------------------------------ drawing
