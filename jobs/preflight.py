@@ -36,14 +36,20 @@ PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
 
 
 def spec_paths(spec: JobSpec) -> list[tuple[str, str, str]]:
-    """(field, path, "dir" | "any") for each path the spec names that must exist before it runs."""
+    """(field, path, "dir" | "any") for each path the spec names that must exist before it runs.
+
+    A relative path is where the job will find it: under its workdir (the job's cwd)."""
+    base = os.path.expanduser(spec.workdir) if isinstance(spec.workdir, str) and spec.workdir else None
     out = []
     for field, what, kinds in PATH_FIELDS:
         if spec.kind not in kinds:
             continue
         value = _get(spec, field)
         if isinstance(value, str) and value:
-            out.append((field, os.path.expanduser(value), what))
+            path = os.path.expanduser(value)
+            if field != "workdir" and base and not os.path.isabs(path):
+                path = os.path.normpath(os.path.join(base, path))
+            out.append((field, path, what))
     return out
 
 
