@@ -6,7 +6,7 @@ import math
 import time
 from typing import Any
 
-__all__ = ["num", "fmt_bytes", "fmt_pct", "fmt_num", "fmt_age", "fmt_duration", "fmt_ratio_bytes"]
+__all__ = ["num", "fmt_bytes", "fmt_pct", "fmt_num", "fmt_age", "fmt_duration", "fmt_ratio_bytes", "fmt_value"]
 
 
 def num(value: Any) -> float | None:
@@ -59,6 +59,22 @@ def fmt_num(value: Any, digits: int = 4) -> str:
     if f == int(f) and abs(f) < 1e15:
         return str(int(f))
     return f"{f:.{digits}g}"
+
+
+def fmt_value(value: float | None, unit: str, *, short: bool = False) -> str:
+    """A chart value in its unit ("bytes", "pct", "gbps", "ms", else a number); `short` for the
+    terminal's charts (1.2G, 5.28, 0.3ms), the long form for the report (1.2 GiB, 5.28 GB/s, 0.3 ms)."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if unit == "bytes":
+        return fmt_bytes(value, short=short)
+    if unit == "pct":
+        return fmt_pct(value)
+    if unit == "gbps":
+        return f"{value:.2f}" if short else f"{value:.2f} GB/s"
+    if unit == "ms":
+        return f"{value:.1f}ms" if short else f"{value:.1f} ms"
+    return fmt_num(value, 4)
 
 
 def fmt_duration(seconds: Any) -> str:

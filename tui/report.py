@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, num
+from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_value, num
 from tui.history import CHARTS, ChartSpec, MetricHistory, Series, budget_of, hit_rate_of
 from tui.outputs import IMAGE_TYPES, summarize_outputs
 
@@ -59,17 +59,7 @@ def _e(x: Any) -> str:
 
 
 def _fmt(value: float | None, unit: str) -> str:
-    if value is None or not math.isfinite(value):
-        return "-"
-    if unit == "bytes":
-        return fmt_bytes(value)
-    if unit == "pct":
-        return fmt_pct(value)
-    if unit == "gbps":
-        return f"{value:.2f} GB/s"
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    return fmt_num(value, 4)
+    return fmt_value(value, unit)
 
 
 def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int = 200) -> str:

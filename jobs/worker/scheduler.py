@@ -307,7 +307,7 @@ class Scheduler:
             self.on_start(job)
 
     def _drop(self, r: _Running) -> None:
-        """Forget an attempt that is not ours to record (its lease was taken), once it is stopped."""
+        """Forget a stopped attempt: recorded, or not ours to record (its lease was taken)."""
         if r.handle is not None and r.executor is not None:
             try:
                 r.executor.cleanup(r.handle)
@@ -524,15 +524,7 @@ class Scheduler:
                         r.failures)
         if r.ship is not None and shipped is not None:
             r.ship.sent(*shipped)
-        if r.handle is not None and r.executor is not None:
-            try:
-                r.executor.cleanup(r.handle)
-            except Exception:
-                log.exception("cleanup of job %s failed", r.job_id)
-        self.leases.remove(r.job_id, r.attempt)
-        self.running.pop(r.job_id, None)
-        self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
-        self._free_gpus.sort()
+        self._drop(r)
         if self.on_finish:
             self.on_finish(job)
         self._wake.set()

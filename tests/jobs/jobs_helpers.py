@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -48,8 +47,10 @@ class WorkerProcess:
                  "--log-level", "warning", *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
             )
-        if not wait:
-            return self
+        return self.wait_healthy(timeout) if wait else self
+
+    def wait_healthy(self, timeout: float) -> "WorkerProcess":
+        """Until /healthz answers 200; the worker's log in the error when it exits or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -19,7 +19,7 @@ from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
-from tui.fmt import fmt_bytes, fmt_num, fmt_pct
+from tui.fmt import fmt_value
 from tui.history import ChartSpec, MetricHistory, Series
 
 __all__ = ["TimeChart", "braille_plot", "format_value"]
@@ -31,17 +31,7 @@ LIMIT_COLOR = "red"
 
 
 def format_value(value: float | None, unit: str) -> str:
-    if value is None or not math.isfinite(value):
-        return "-"
-    if unit == "bytes":
-        return fmt_bytes(value, short=True)
-    if unit == "pct":
-        return fmt_pct(value)
-    if unit == "gbps":
-        return f"{value:.2f}"
-    if unit == "ms":
-        return f"{value:.1f}ms"
-    return fmt_num(value, 4)
+    return fmt_value(value, unit, short=True)
 
 
 def braille_plot(series: list[Series], width: int, height: int, lo: float, hi: float,

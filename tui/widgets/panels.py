@@ -7,7 +7,7 @@ from typing import Callable
 from rich.text import Text
 from textual.widgets import Static
 
-from tui.fmt import fmt_bytes, fmt_ratio_bytes
+from tui.fmt import fmt_ratio_bytes
 from tui.gpu import PanelData, read_panel
 
 __all__ = ["GpuPanel", "ConnectionBar"]

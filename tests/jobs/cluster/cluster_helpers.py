@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from jobs_helpers import REPO, WorkerProcess, free_port
 
 from jobs.client import JobsClient
@@ -40,19 +39,7 @@ class ClusterWorker(WorkerProcess):
                 [*self.prefix, sys.executable, "-m", "jobs.worker", "--port", str(self.port), "--home", str(self.home),
                  "--log-level", "warning", *host_args, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        if not wait:
-            return self
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"worker did not become healthy:\n{self.log.read_text()}")
+        return self.wait_healthy(timeout) if wait else self
 
     def client(self) -> JobsClient:
         return JobsClient(self.url, self.token, timeout=30.0)
