@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from accelerate.utils import send_to_device
 from torch import nn
 
 from .api import OffloadHandle, enable_offload
@@ -38,6 +37,14 @@ __all__ = ["ComponentOffload", "PipelineOffload", "enable_pipeline_offload"]
 _DENOISERS = ("transformer", "transformer_2", "unet", "prior")
 _DISK_KEYS = ("lazy_load", "offload_to_disk", "shard_dir", "max_memory", "num_disk_workers", "disk_cache_policy",
               "disk_verify", "disk_direct", "disk_stream_slots", "weights")
+
+
+def send_to_device(obj: Any, device: torch.device) -> Any:
+    """accelerate's send_to_device, imported when a hooked component is first called (accelerate costs
+    0.15 s to import, and `import offload_core` need not pay it)."""
+    from accelerate.utils import send_to_device as send
+
+    return send(obj, device)
 
 
 class ComponentOffload:
