@@ -92,7 +92,9 @@ class _Core:
         self.busy_s = 0.0
         self._inflight = 0
         self._busy_since = 0.0
-        self.workers = [threading.Thread(target=self._work, name=f"disk-worker-{i}", daemon=True)
+        # worker 0 also watches the staging slots whose copies are still in flight: a copy that completes
+        # frees its slot with no call from the engine, and the next read must not wait for one
+        self.workers = [threading.Thread(target=self._work, args=(i == 0,), name=f"disk-worker-{i}", daemon=True)
                         for i in range(max(num_disk_workers, 1))]
         for w in self.workers:
             w.start()
@@ -199,11 +201,19 @@ class _Core:
             self.direct_reads += 1
 
     # ------------------------------------------------------------------ workers
-    def _work(self) -> None:
+    def _copies_pending(self) -> bool:
+        """A staging slot waits only for the engine's copy out of it (then _reap lets it go)."""
+        return any(u.events for u in self.units.values() if u.where in ("stream", "temp") and not u.holds)
+
+    def _work(self, watch: bool) -> None:
         while True:
             with self.cond:
                 while not self.queue and not self.closed:
-                    self.cond.wait()
+                    if watch and self.trace.length and self._copies_pending():
+                        self.cond.wait(_POLL_S)
+                        self._fill()
+                    else:
+                        self.cond.wait()
                 if self.closed:
                     return
                 uid = self.queue.popleft()
@@ -279,6 +289,7 @@ class _Core:
                     if not u.reading:
                         self._reap()
                         self._schedule(u, use_at, urgent=True)
+                    self._fill()  # slots whose copies finished meanwhile take the next reads
                     self.cond.wait(_POLL_S)
                 self.stall_s += time.perf_counter() - t0
             if u.fresh:

@@ -153,6 +153,49 @@ def test_workers_read_ahead_in_trace_order(stack: tuple, monkeypatch: pytest.Mon
         store.close()
 
 
+class _Copy:
+    """A CUDA event's two calls the store makes, for a copy out of a slab that is still in flight."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def _wait_reads(store: Any, n: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while store.stats()["disk_reads"] < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return store.stats()["disk_reads"]
+
+
+def test_a_finished_copy_frees_its_slot_for_the_next_read_with_no_call_from_the_engine(stack: tuple) -> None:
+    """The engine releases a slab with the event of its copy; when that copy ends, nothing else may be
+    needed for the disk to go on reading ahead (else it idles until the engine next calls the store)."""
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=2)
+    try:
+        store.plan([u.uid for u in units])
+        assert _wait_reads(store, 2) == 2  # both staging slots read ahead
+        copies = [_Copy(), _Copy()]
+        for u, ev in zip(units[:2], copies):
+            store.acquire(u.uid)
+            store.release(u.uid, after=ev)
+        time.sleep(0.1)
+        assert store.stats()["disk_reads"] == 2  # both slots still being copied out of
+        for ev in copies:
+            ev.done = True
+        assert _wait_reads(store, 4) == 4  # the next two units, read with no further call
+        assert store.stats()["disk_ahead_units"] == 2
+    finally:
+        store.close()
+
+
 def test_non_blocking_acquire_says_not_yet(stack: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     model, plan, index = stack
     units = block_units(plan)
