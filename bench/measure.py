@@ -67,6 +67,7 @@ def warm_device(device: torch.device) -> None:
 class Timing:
     wall_ms: list[float] = field(default_factory=list)
     event_ms: list[float] = field(default_factory=list)
+    enqueue_ms: list[float] = field(default_factory=list)  # until step() returned: the host's share
 
     @property
     def median_ms(self) -> float:
@@ -88,6 +89,7 @@ def time_steps(step: Callable[[], Any], device: torch.device, repeats: int) -> t
             start.record()
         t0 = time.perf_counter()
         results.append(step())
+        timing.enqueue_ms.append((time.perf_counter() - t0) * 1e3)
         if device.type == "cuda":
             end.record()
         sync(device)

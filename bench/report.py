@@ -133,7 +133,13 @@ def format_notes(rows: list[dict[str, Any]]) -> list[str]:
             bits.append(f"floor {r['floor_ms']:.2f} ms ({r['floor_basis']})")
         if r.get("paired"):
             pr = r["paired"]
-            bits.append(f"paired x{pr['rounds']}: resident {pr['resident_median_ms']:.2f} ms, ours {pr['ours_median_ms']:.2f} ms")
+            bits.append(f"paired x{pr['rounds']}: resident {pr['resident_median_ms']:.2f} ms, ours {pr['ours_median_ms']:.2f} ms"
+                        + (f" (per-round ratio median {pr['x_resident_per_round_median']:.3f})"
+                           if pr.get("x_resident_per_round_median") else ""))
+            slow = [x for x in pr.get("per_round", []) if x.get("ours_ms", 0) > 1.1 * pr["ours_median_ms"]]
+            if slow:
+                bits.append("slow rounds (ours ms/enqueue ms/stall ms): " + ", ".join(
+                    f"{x['ours_ms']:.0f}/{x['ours_enqueue_ms']:.0f}/{x.get('ours_stall_ms', float('nan')):.1f}" for x in slow))
         if r.get("paired_skipped"):
             bits.append(f"no paired rounds: {r['paired_skipped']}")
         if r.get("vram_cap_bytes"):

@@ -219,7 +219,7 @@ def run_variant(
         if paired > 0 and variant.family == "ours" and capped:
             row["paired_skipped"] = "resident cannot run under this workload's VRAM cap next to ours"
         elif paired > 0 and variant.family == "ours":
-            row["paired"] = _paired(wl, master, inputs, device, step, paired)
+            row["paired"] = _paired(wl, master, inputs, device, step, paired, stats=sess.stats)
         row["status"] = "ok"
     except NotApplicable as e:
         row.update(status="n/a", reason=str(e))
@@ -252,13 +252,16 @@ def _cap(wl: Workload, variant: Variant, device: torch.device) -> bool:
 
 
 def _paired(wl: Workload, master: nn.Module, inputs: dict[str, torch.Tensor], device: torch.device,
-            step: Any, rounds: int) -> dict[str, Any]:
+            step: Any, rounds: int, stats: Any = None) -> dict[str, Any]:
     """Resident and this variant, one step each in turn: the same moment of the machine for both.
 
     Slow drifts (clocks, a busy host) move both sides alike, so the ratio of the two medians is
-    steadier than a ratio of medians taken minutes apart.
+    steadier than a ratio of medians taken minutes apart. Each round also keeps, for ours, the
+    host's time to enqueue the step and the engine's stall and H2D bytes over it, so a slow round
+    says whether it waited on copies (stall), on the host (enqueue close to wall) or on neither.
     """
     sess = resident_variant().setup(copy.deepcopy(master), wl, device)
+    per_round: list[dict[str, float]] = []
     try:
         res_step = _step_fn(wl, sess, inputs)
         res_step()  # the resident copy's own warm-up
@@ -266,14 +269,24 @@ def _paired(wl: Workload, master: nn.Module, inputs: dict[str, torch.Tensor], de
         for _ in range(rounds):
             t, _ = time_steps(res_step, device, 1)
             res_ms.append(t.wall_ms[0])
+            rnd = {"resident_ms": t.wall_ms[0], "resident_enqueue_ms": t.enqueue_ms[0]}
+            s0 = stats() if stats else None
             t, _ = time_steps(step, device, 1)
+            s1 = stats() if stats else None
             ours_ms.append(t.wall_ms[0])
+            rnd.update(ours_ms=t.wall_ms[0], ours_enqueue_ms=t.enqueue_ms[0])
+            for key in ("stall_ms", "h2d_bytes", "cache_misses"):
+                if s0 and s1 and isinstance(s1.get(key), (int, float)) and isinstance(s0.get(key), (int, float)):
+                    rnd[f"ours_{key}"] = s1[key] - s0[key]
+            per_round.append(rnd)
     finally:
         sess.teardown()
         sess = None
     med_res, med_ours = statistics.median(res_ms), statistics.median(ours_ms)
     return {"rounds": rounds, "resident_ms": res_ms, "ours_ms": ours_ms, "resident_median_ms": med_res,
-            "ours_median_ms": med_ours, "x_resident": med_ours / med_res}
+            "ours_median_ms": med_ours, "x_resident": med_ours / med_res,
+            "x_resident_per_round_median": statistics.median(o / r for o, r in zip(ours_ms, res_ms)),
+            "per_round": per_round}
 
 
 def run_tuned(
