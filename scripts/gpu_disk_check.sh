@@ -44,7 +44,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if [ -z "${SKIP_DISK:-}" ]; then
     echo "== bench.disk (6 GB stack of DiT-width blocks, bf16, 4 disk workers)"
-    timeout 150 "$PY" -m bench.disk --passes 2 --json "$OUT_DIR/bench-disk.json" 2>&1 | tee "$OUT_DIR/bench-disk.log" \
+    timeout 150 "$PY" -m bench.disk --passes 3 --json "$OUT_DIR/bench-disk.json" 2>&1 | tee "$OUT_DIR/bench-disk.log" \
         | grep -vE "^\s*$" | tail -16
     echo "   ($((SECONDS - T0)) s so far)"
 fi
