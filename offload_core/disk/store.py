@@ -323,7 +323,7 @@ class _Core:
                     self.raise_error()
                     self.cond.wait(_POLL_S)
                 self.raise_error()
-                old = u.pool.slab(u.offset, u.entry.nbytes) if u.pool is not None else None
+                old = u.pool.slab(u.offset, u.entry.nbytes)[: u.entry.nbytes] if u.pool is not None else None
                 if u.where == "cache":
                     self.cache.keep(uid, u.entry.read_nbytes, set())
                     new_pool, new_off = u.pool, u.offset

@@ -286,6 +286,24 @@ def test_a_written_unit_is_kept_and_keeps_what_was_written(stack: tuple) -> None
         store.close()
 
 
+def test_a_unit_read_ahead_into_a_staging_slot_can_be_kept(stack: tuple) -> None:
+    """master() of a unit whose bytes sit in a staging slot (read ahead, not used yet): its bytes move to
+    a buffer the store keeps, exactly (the slot is whole 4096-byte pages, the unit is not)."""
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 0.0, num_disk_workers=1, stream_slots=2)
+    try:
+        store.plan([u.uid for u in units])
+        assert _wait_reads(store, 2) == 2
+        first = store._core.units[units[0].uid]
+        assert first.where == "stream" and first.entry.nbytes % 4096  # a ragged unit: the case that broke
+        kept = store.master(units[0].uid)
+        assert torch.equal(typed(kept, units[0], 0), units[0].tensors[0].tensor())
+        assert store.stats()["disk_kept_bytes"] == first.entry.nbytes
+    finally:
+        store.close()
+
+
 def test_kept_units_beyond_max_memory_get_buffers_of_their_own(stack: tuple) -> None:
     model, plan, index = stack
     units = block_units(plan)
