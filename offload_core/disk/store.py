@@ -259,7 +259,14 @@ class _Core:
             self.pos = -1
             self.synced = False  # until the first use, the position is a guess (the engine may start mid-trace)
             for u in self.units.values():
-                u.for_pos = min(u.for_pos, -1)
+                # A read made under the old order teaches nothing about this one (no skip is learned from
+                # it); one still unused is kept for its first use in the new order, not counted wasted.
+                u.learn = False
+                if u.fresh or u.reading:
+                    q = self.trace.after(u.unit.uid, -1)
+                    u.for_pos = int(q) if q != float("inf") else -1
+                else:
+                    u.for_pos = min(u.for_pos, -1)
             self._fill()
 
     def _advance(self, uid: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ def test_inference_from_shards_is_bitwise_and_keeps_state(shards: tuple, policy:
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     handle.remove()
     assert torch.equal(_run(model), want)
+
+
+def test_a_frozen_models_first_pass_reads_ahead_in_module_order(shards: tuple) -> None:
+    """No trace exists before the first pass: the disk reads ahead in the shards' (module) order, which is
+    the forward's for the blocks, and nothing it read is wasted; the first traced cycle then plans the rest."""
+    src, dst, ref = shards
+    model = _meta(src)
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
+                            num_disk_workers=2, offload_granularity="block")
+    deadline = time.monotonic() + 10
+    while handle.stats()["disk_reads"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handle.stats()["disk_reads"] >= 2  # before any use
+    want = _run(ref)
+    for _ in range(3):
+        assert torch.equal(_run(model), want)
+    assert handle.stats()["disk_wasted_reads"] == 0
 
 
 def test_load_state_dict_while_streaming_from_shards_sticks(shards: tuple) -> None:
