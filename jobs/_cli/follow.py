@@ -53,13 +53,15 @@ def tail_lines(text: str, n: int) -> str:
 class EventFeed:
     """A thread reading one job's server-sent events into a queue, reconnecting with the last id."""
 
-    def __init__(self, make_client: Callable[[], JobsClient], job_id: str) -> None:
+    def __init__(self, make_client: Callable[[], JobsClient], job_id: str, *, own_clients: bool = False) -> None:
         self.make_client = make_client
+        self.own_clients = own_clients  # make_client makes new clients (not the caller's): close them at exit
         self.job_id = job_id
         self.last_id = 0  # the job's whole history is a handful of events: replaying it is cheap
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="offload-jobs-events", daemon=True)
+        self._client: JobsClient | None = None  # the one the thread reads the stream with
 
     def __enter__(self) -> EventFeed:
         self._thread.start()
@@ -67,6 +69,12 @@ class EventFeed:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
+        client = self._client
+        if client is not None and self.own_clients:  # end the thread's blocked read now, not at its read timeout or at exit
+            try:
+                client.close()
+            except Exception:
+                pass
 
     def drain(self) -> list[dict[str, Any]]:
         out = []
@@ -82,7 +90,9 @@ class EventFeed:
         backoff = POLL_S
         while not self._stop.is_set():
             try:
-                client = self.make_client()
+                client = self._client = self.make_client()
+                if self._stop.is_set():
+                    return
                 for ev in client.events(last_event_id=self.last_id, job_id=self.job_id, read_timeout=60.0):
                     if isinstance(ev.get("id"), int):
                         self.last_id = ev["id"]
@@ -120,7 +130,7 @@ def follow_job(
     lost_since: float | None = None
     job: dict[str, Any] | None = None
     last_get = 0.0
-    with EventFeed(make, job_id) as feed:
+    with EventFeed(make, job_id, own_clients=reconnect is not None) as feed:
         while True:
             try:
                 changed = any(ev.get("type") == "job.status" for ev in feed.drain())
