@@ -56,8 +56,11 @@ class CLI:
                               env=cli_env(self.home, **env), cwd=self.cwd)
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
+        # As from a terminal: SIGINT at its default. A shell without job control starts background
+        # commands (a CI script run with `&`) with SIGINT ignored, and a child inherits that.
         return subprocess.Popen([self.exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=cli_env(self.home), cwd=self.cwd)
+                                env=cli_env(self.home), cwd=self.cwd,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture
