@@ -195,8 +195,7 @@ class OffloadEngine:
         if cfg.lazy_load or cfg.offload_to_disk:
             from .disk.integrate import open_disk_store
 
-            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin,
-                                   read_ahead=not any(p.requires_grad for p in self.model.parameters()))
+            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin)
         arena = PinnedArena(self.streamed, pin=pin)
         if cfg.weights is not None:
             from .weights import fill_from_checkpoint

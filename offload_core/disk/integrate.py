@@ -91,7 +91,7 @@ def _keep_unmatched_resident(units: Iterable[Unit], names: set[str]) -> None:
 
 
 def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[str], config: Any, *,
-                    pin: bool, read_ahead: bool = False) -> DiskStore:
+                    pin: bool) -> DiskStore:
     """The engine's host store for ``lazy_load`` (frozen weights only from ``shard_dir``) or
     ``offload_to_disk`` (write the model's shards to ``shard_dir``, free its RAM copy, stream back).
 
@@ -126,7 +126,7 @@ def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[s
     store = DiskStore(streamed, index, entries, cache_bytes=cache, num_disk_workers=config.num_disk_workers,
                       stream_slots=slots, policy=config.disk_cache_policy, pin=pin, verify=config.disk_verify,
                       direct=config.disk_direct)
-    if read_ahead:
+    if not any(p.requires_grad for p in model.parameters()):
         # A model with nothing to train: before its first pass no trace exists, so the disk would read each
         # unit only when asked. The blocks run in their module order (the shards' order), so the disk reads
         # ahead in that order from the start; the embedders and heads around them come when asked, and
