@@ -7,8 +7,8 @@ Life of a streamed unit:
 2. When its anchor module is entered (or autograd needs one of its saved weights back), the slab is
    copied into a SlotRing slot (transfer.py): one H2D copy on the copy stream, then a ``ready``
    event the compute stream waits on. No host synchronization happens per unit.
-3. While the anchor runs, the module's frozen tensors are plain views into the slot (the Parameter
-   objects stay registered elsewhere with placeholder data). Autograd and checkpoint recomputes
+3. While the anchor runs, the module's frozen tensors are plain views into the slot (binding.py; the
+   Parameter objects stay registered elsewhere with placeholder data). Autograd and checkpoint recomputes
    that save those views keep the slot's storage alive, so the slot is not reused until they let go.
 4. Without checkpointing, ``saved_tensors_hooks`` replace saved weight views with references, which
    backward re-fetches: weights do not stay on the device between forward and backward.
@@ -27,7 +27,6 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from . import planner, registry
 from .arena import PinnedArena
+from .binding import Binder, set_data
 from .config import OffloadConfig
 from .device import resolve_device
 from .errors import LossyStorageWarning, NotAModuleError, OffloadConfigError
@@ -61,29 +61,6 @@ def _quiesce(streams: tuple) -> None:
             pass
 
 
-def _set_data(ts: Any, value: torch.Tensor) -> None:
-    """Give a streamed tensor its placeholder. A filled store may have left a meta tensor there
-    (a model built on the meta device), whose .data cannot take a tensor of another device: the
-    meta Parameter is replaced by one that can (it had no value anyone could hold on to)."""
-    obj = ts.tensor()
-    if obj.device.type != "meta":
-        obj.data = value
-        return
-    table = ts.module._parameters if ts.is_param else ts.module._buffers
-    table[ts.attr] = nn.Parameter(value, requires_grad=obj.requires_grad) if isinstance(obj, nn.Parameter) else value
-
-
-@dataclass
-class _SlotRef:
-    """What autograd keeps instead of a streamed weight view."""
-
-    uid: int
-    offset: int
-    size: tuple
-    stride: tuple
-    dtype: torch.dtype
-
-
 class OffloadEngine:
     def __init__(self, model: nn.Module, config: OffloadConfig, *, stream_trainable: bool = False) -> None:
         if not isinstance(model, nn.Module):
@@ -102,17 +79,17 @@ class OffloadEngine:
         self.is_cuda = self.device.type == "cuda"
         self.timing = TimingLog(host=not self.is_cuda) if config.record_timings else None
         self.counters = Counters()
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._tick = 0
         self._root_depth = 0
         self._saved_hooks: Any = None
         self._handles: list[Any] = []
         self._cycle_callbacks: list[Callable[[], None]] = []
-        self._placeholders: dict[Any, torch.Tensor] = {}
         self._cycle_start: Any = None
-        self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
         self._span_from: tuple[int, Any] | None = None  # (trace position, event) of the last use's start
         self._removed = False
+        self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
+        self.placeholder_for = self.binder.placeholder_for
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         all_frozen = config.treat_as_inference
@@ -151,14 +128,12 @@ class OffloadEngine:
         if getattr(self.store, "filled", False):
             for u in self.streamed:
                 for ts in u.tensors:
-                    _set_data(ts, self.placeholder_for(ts))
+                    set_data(ts, self.placeholder_for(ts))
         else:
             self._pack()
         trim_host_heap()
         if hasattr(self.store, "pin"):
             self.store.pin()
-        self._bound: dict[int, list] = {}
-        self._depth: dict[int, int] = {}
 
         moving = [u for u in self.streamed if not u.sticky]
         slot_bytes = max((u.nbytes for u in moving), default=0)
@@ -216,18 +191,6 @@ class OffloadEngine:
         self._resident_moved.append((m, attr, is_param, t.device))
         t.data = t.data.to(self.device)
 
-    def placeholder_for(self, ts: Any) -> torch.Tensor:
-        """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
-
-        AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
-        parameter keeps its shape between uses: one element, expanded.
-        """
-        key = (ts.dtype, 1) if ts.trainable else ts.dtype
-        ph = self._placeholders.get(key)
-        if ph is None:
-            ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.device)
-        return ph.expand(ts.shape) if ts.trainable else ph
-
     def _pack(self) -> None:
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):
@@ -237,7 +200,7 @@ class OffloadEngine:
                         _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
                     else:
                         self.store.view(u, i).copy_(obj.data)
-                _set_data(ts, self.placeholder_for(ts))
+                set_data(ts, self.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
         anchors: dict[int, tuple[nn.Module, list[Unit]]] = {}
@@ -246,8 +209,8 @@ class OffloadEngine:
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         for module, units in anchors.values():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(units)))
-            self._handles.append(module.register_forward_hook(self._make_post(units), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(self.binder.make_pre(units)))
+            self._handles.append(module.register_forward_hook(self.binder.make_post(units), always_call=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
 
     # ------------------------------------------------------------------ seams for optimizer offload and state_dict
@@ -261,7 +224,7 @@ class OffloadEngine:
 
     def in_use(self, uid: int) -> bool:
         """Whether the unit's tensors are bound (its module is running)."""
-        return uid in self._bound
+        return uid in self.binder.bound
 
     def invalidate(self, uid: int) -> None:
         """Forget the device copy of a unit whose host master changed: its next use loads it again.
@@ -269,7 +232,7 @@ class OffloadEngine:
         A slot something still references (a retained graph) is not reused meanwhile (it is not
         free), but it no longer counts as holding the unit, so the stale bytes are never bound.
         """
-        if uid not in self._bound:
+        if uid not in self.binder.bound:
             self.ring.forget(uid)
 
     # ------------------------------------------------------------------ root hooks
@@ -282,7 +245,7 @@ class OffloadEngine:
             if self._cycle_start is not None:
                 self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark())
             self._cycle_start = self.transfer.mark()
-        with self._lock:
+        with self.lock:
             self.counters.steps += 1
             relearned = self.schedule.relearned
             had_trace = self.schedule.learned
@@ -293,7 +256,8 @@ class OffloadEngine:
                 cb()
             self.replanner.at_cycle_start()  # may raise VramBudgetError; _root_post still runs
         if torch.is_grad_enabled() and self.streamed:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved,
+                                                                     self.binder.unpack_saved)
             self._saved_hooks.__enter__()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -304,86 +268,8 @@ class OffloadEngine:
         if self.timing is not None and len(self.timing.pending) > 1024:
             self.timing.resolve(block=False)
 
-    # ------------------------------------------------------------------ unit hooks
-    def _make_pre(self, units: list[Unit]) -> Callable:
-        def pre(module: nn.Module, args: Any) -> None:
-            for u in units:
-                depth = self._depth.get(u.uid, 0)
-                self._depth[u.uid] = depth + 1
-                if depth == 0:
-                    slot = self.use(u)
-                    self._bind(u, slot)
-        return pre
-
-    def _make_post(self, units: list[Unit]) -> Callable:
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            for u in units:
-                depth = self._depth.get(u.uid, 0) - 1
-                self._depth[u.uid] = max(depth, 0)
-                if depth <= 0:
-                    self._unbind(u)
-        return post
-
-    def _bind(self, u: Unit, slot: Slot) -> None:
-        bound = []
-        for ts in u.tensors:
-            view = slot.typed(ts.dtype).as_strided(ts.shape, ts.contiguous_stride, ts.offset // ts.dtype.itemsize)
-            table = ts.module._parameters if ts.is_param else ts.module._buffers
-            orig = table[ts.attr]
-            if ts.trainable:
-                # Trainable streamed params must stay the leaf autograd accumulates into.
-                orig.data = view
-                bound.append((ts, orig, None, 0))
-            else:
-                # Frozen: the module sees a plain view; the Parameter keeps its placeholder, so
-                # nothing autograd or a checkpoint saves can be swapped out from under it.
-                table[ts.attr] = view
-                # Inference tensors keep no version counter: None means "ask the module".
-                bound.append((ts, orig, view, None if view.is_inference() else view._version))
-        self._bound[u.uid] = bound
-        if self.timing is not None:
-            self._compute_start[u.uid] = self.transfer.mark()
-
-    def _unbind(self, u: Unit) -> None:
-        bound = self._bound.pop(u.uid, None)
-        if bound is None:
-            return
-        self._delay()
-        dirty = []
-        for ts, orig, view, version in bound:
-            table = ts.module._parameters if ts.is_param else ts.module._buffers
-            if view is None:
-                orig.data = self.placeholder_for(ts)
-            else:
-                table[ts.attr] = orig
-                if not ts.is_param:
-                    changed = ts.module.training if version is None else view._version != version
-                    if changed:
-                        dirty.append((ts, view))
-        if dirty:
-            with self._lock:
-                self.transfer.write_back(u, dirty, self.store.master(u.uid), self.ring.lookup(u.uid))
-        if self.timing is not None and u.uid in self._compute_start:
-            self.timing.add("compute", u.uid, self._compute_start.pop(u.uid), self.transfer.mark())
-
-    # ------------------------------------------------------------------ autograd saved tensors
-    def _pack_saved(self, t: torch.Tensor) -> Any:
-        if t.device != self.device or not t.numel():
-            return t
-        slot = self.ring.by_ptr.get(t.untyped_storage().data_ptr())
-        if slot is None or slot.owner is None:
-            return t
-        self.counters.saved_refs += 1
-        return _SlotRef(slot.owner, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def _unpack_saved(self, ref: Any) -> torch.Tensor:
-        if not isinstance(ref, _SlotRef):
-            return ref
-        slot = self.use(self.units[ref.uid], backward=True)
-        return slot.buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
-
     # ------------------------------------------------------------------ loading
-    def _delay(self) -> None:
+    def delay(self) -> None:
         if self.config.debug_host_delay_ms > 0:
             time.sleep(random.random() * self.config.debug_host_delay_ms / 1000.0)
 
@@ -393,8 +279,8 @@ class OffloadEngine:
 
     def use(self, u: Unit, backward: bool = False) -> Slot:
         """Make u's bytes available to the compute stream and return its slot."""
-        self._delay()
-        with self._lock:
+        self.delay()
+        with self.lock:
             self._tick += 1
             new_use = self.schedule.observe_new(u.uid)
             timed = self.timing is not None and new_use
@@ -459,11 +345,11 @@ class OffloadEngine:
 
     def refill(self) -> None:
         """Prefetch along the trace now (after a new plan freed or added slots)."""
-        with self._lock:
+        with self.lock:
             self._prefetch(-1)
 
     def bound_uids(self) -> set[int]:
-        return set(self._bound)
+        return set(self.binder.bound)
 
     def resident_device_bytes(self) -> int:
         """Device bytes of the tensors this engine moved there for good (residents, strays, staging)."""
@@ -483,8 +369,8 @@ class OffloadEngine:
             h.remove()
         self._handles.clear()
         self.synchronize()
-        for uid in list(self._bound):
-            self._unbind(self.units[uid])
+        for uid in list(self.binder.bound):
+            self.binder.unbind(self.units[uid])
         self.synchronize()
         self.masters.flush()
         for u in self.streamed:

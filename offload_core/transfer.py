@@ -25,6 +25,38 @@ from .units import Unit
 __all__ = ["Transfer"]
 
 
+def _set_stream(s: Any) -> None:
+    torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+class _On:
+    """``with _On(s, back):`` ``s`` is the current stream inside, ``back`` after.
+
+    What ``torch.cuda.stream(s)`` does, without its queries of the current stream and device (the
+    hot path switches streams for every copy). Only when the engine's device is the current one:
+    otherwise setting a stream of another device changes the current device, and
+    ``torch.cuda.stream`` restores both.
+    """
+
+    __slots__ = ("to", "back", "ctx")
+
+    def __init__(self, to: Any, back: Any) -> None:
+        self.to, self.back = to, back
+        self.ctx = None if torch._C._cuda_getDevice() == to.device_index else torch.cuda.stream(to)
+
+    def __enter__(self) -> None:
+        if self.ctx is None:
+            _set_stream(self.to)
+        else:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is None:
+            _set_stream(self.back)
+        else:
+            self.ctx.__exit__(*exc)
+
+
 class Transfer:
     def __init__(self, device: torch.device, *, use_streams: bool, timing: TimingLog | None, counters: Counters,
                  widener: UnitWidener) -> None:
@@ -38,10 +70,14 @@ class Transfer:
         self._raw_turn = 0
         self._writeback: dict[int, Any] = {}  # uid -> event: its buffers are on their way to the host
         self.h2d_stream = self.d2h_stream = self.convert_stream = None
+        self._index = device.index if device.index is not None else (torch.cuda.current_device() if self.is_cuda else 0)
+        self._by_raw: dict[int, Any] = {}  # raw stream handle -> its Stream object (compute_stream)
+        self._freed = None  # one event re-recorded per load: a wait takes the record made before it
         if self.use_streams:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
             self.convert_stream = torch.cuda.Stream(device) if widener.raw else None
+            self._freed = torch.cuda.Event()
         # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
         self.clock = None
         if self.is_cuda and timing is not None:
@@ -52,7 +88,13 @@ class Transfer:
         return tuple(s for s in (self.h2d_stream, self.d2h_stream, self.convert_stream) if s is not None)
 
     def compute_stream(self) -> Any:
-        return torch.cuda.current_stream(self.device)
+        """The calling thread's current stream on the device (the hot path asks for it at every use:
+        the raw handle is one C call, the Stream object is kept per handle)."""
+        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        s = self._by_raw.get(raw)
+        if s is None:
+            s = self._by_raw[raw] = torch.cuda.current_stream(self.device)
+        return s
 
     def mark(self, stream: Any = None) -> Any:
         """A timing event recorded now on ``stream`` (default: the compute stream)."""
@@ -78,10 +120,12 @@ class Transfer:
 
     def _load_async(self, u: Unit, slot: Slot, src: torch.Tensor) -> Any:
         h2d = self.h2d_stream
-        freed = torch.cuda.Event()
-        freed.record(self.compute_stream())
+        compute = self.compute_stream()
+        converted = u.converted
+        freed = self._freed
+        freed.record(compute)
         # Whatever overwrites the slot waits for the kernels queued against its old owner.
-        writer = self.convert_stream if u.converted else h2d
+        writer = self.convert_stream if converted else h2d
         writer.wait_event(freed)
         for ev in slot.done:
             writer.wait_event(ev)
@@ -89,7 +133,7 @@ class Transfer:
         wb = self._writeback.pop(u.uid, None)
         if wb is not None:
             h2d.wait_event(wb)
-        if u.converted:
+        if converted:
             b = self._raw_turn
             self._raw_turn ^= 1
             if self._raw_free[b] is not None:
@@ -97,7 +141,7 @@ class Transfer:
             dst = self.widener.raw[b][: u.store_nbytes]
         else:
             dst = slot.buf[: u.nbytes]
-        with torch.cuda.stream(h2d):
+        with _On(h2d, compute):
             clock = self.clock
             a = clock.start(h2d) if clock is not None else None
             dst.copy_(src, non_blocking=True)
@@ -106,10 +150,10 @@ class Transfer:
                 self.timing.add("h2d", u.uid, a, self.mark(h2d))
             read = ready = torch.cuda.Event()
             ready.record(h2d)
-        if u.converted:
+        if converted:
             conv = self.convert_stream
             conv.wait_event(ready)
-            with torch.cuda.stream(conv):
+            with _On(conv, compute):
                 self.widener.widen(u, b, slot.buf)
                 ready = torch.cuda.Event()
                 ready.record(conv)
@@ -125,7 +169,8 @@ class Transfer:
             a = clock.start(stream)
         else:
             a = self.mark() if self.timing is not None else None
-        dst = self.widener.raw[0][: u.store_nbytes] if u.converted else slot.buf[: u.nbytes]
+        converted = u.converted
+        dst = self.widener.raw[0][: u.store_nbytes] if converted else slot.buf[: u.nbytes]
         dst.copy_(src, non_blocking=stream is not None)
         if clock is not None:
             clock.submitted()
@@ -133,7 +178,7 @@ class Transfer:
             self.timing.add("h2d", u.uid, a, self.mark())
         if stream is not None:
             stream.synchronize()
-        if u.converted:
+        if converted:
             self.widener.widen(u, 0, slot.buf)
         slot.ready = None
 
@@ -150,14 +195,17 @@ class Transfer:
         if not self.use_streams:
             dst.copy_(src)
             return None
+        compute, d2h = self.compute_stream(), self.d2h_stream
+        # A fresh event: d2h() is also called from autograd's thread (gradient hooks) while the
+        # main thread may be recording the load event.
         ev = torch.cuda.Event()
-        ev.record(self.compute_stream())
-        self.d2h_stream.wait_event(ev)
-        with torch.cuda.stream(self.d2h_stream):
+        ev.record(compute)
+        d2h.wait_event(ev)
+        with _On(d2h, compute):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.d2h_stream)
-        src.record_stream(self.d2h_stream)
+            done.record(d2h)
+        src.record_stream(d2h)
         return done
 
     def write_back(self, u: Unit, dirty: list, master: torch.Tensor, slot: Slot | None) -> None:

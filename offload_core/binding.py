@@ -1,0 +1,146 @@
+"""Binding: a streamed unit's tensors are views into its slot while its module runs, placeholders otherwise.
+
+- The anchor module's forward pre-hook asks the engine for the unit's slot (``use``) and binds
+  every tensor to a view into it; the forward hook (``always_call``) unbinds them. Nested entries of
+  the same anchor count depth, so only the outermost binds.
+- Frozen tensors: the module's table holds the plain view while it runs; the Parameter object
+  keeps its placeholder, so nothing autograd or a checkpoint saved can be swapped out from under it.
+  Trainable streamed parameters stay the leaf autograd accumulates into: their ``.data`` is the view.
+- Buffers updated in place while bound (BatchNorm running stats) are written back to the host
+  master when the unit is unbound.
+- Autograd's saved weight views become references (``SlotRef``) that backward loads again, so the
+  weights do not stay on the device between forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .slots import Slot
+from .units import Unit
+
+__all__ = ["Binder", "SlotRef", "set_data"]
+
+
+def set_data(ts: Any, value: torch.Tensor) -> None:
+    """Give a streamed tensor its placeholder. A filled store may have left a meta tensor there
+    (a model built on the meta device), whose .data cannot take a tensor of another device: the
+    meta Parameter is replaced by one that can (it had no value anyone could hold on to)."""
+    obj = ts.tensor()
+    if obj.device.type != "meta":
+        obj.data = value
+        return
+    table = ts.module._parameters if ts.is_param else ts.module._buffers
+    table[ts.attr] = nn.Parameter(value, requires_grad=obj.requires_grad) if isinstance(obj, nn.Parameter) else value
+
+
+@dataclass
+class SlotRef:
+    """What autograd keeps instead of a streamed weight view."""
+
+    uid: int
+    offset: int
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class Binder:
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+        self.bound: dict[int, list] = {}  # uid -> (tensor slot, original, view, version) per tensor, while its module runs
+        self.depth: dict[int, int] = {}
+        self._placeholders: dict[Any, torch.Tensor] = {}
+        self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
+
+    def placeholder_for(self, ts: Any) -> torch.Tensor:
+        """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
+
+        AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
+        parameter keeps its shape between uses: one element, expanded.
+        """
+        key = (ts.dtype, 1) if ts.trainable else ts.dtype
+        ph = self._placeholders.get(key)
+        if ph is None:
+            ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.e.device)
+        return ph.expand(ts.shape) if ts.trainable else ph
+
+    # ------------------------------------------------------------------ module hooks
+    def make_pre(self, units: list[Unit]) -> Callable:
+        def pre(module: nn.Module, args: Any) -> None:
+            for u in units:
+                depth = self.depth.get(u.uid, 0)
+                self.depth[u.uid] = depth + 1
+                if depth == 0:
+                    self.bind(u, self.e.use(u))
+        return pre
+
+    def make_post(self, units: list[Unit]) -> Callable:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            for u in units:
+                depth = self.depth.get(u.uid, 0) - 1
+                self.depth[u.uid] = max(depth, 0)
+                if depth <= 0:
+                    self.unbind(u)
+        return post
+
+    def bind(self, u: Unit, slot: Slot) -> None:
+        bound = []
+        for ts in u.tensors:
+            view = slot.typed(ts.dtype).as_strided(ts.shape, ts.contiguous_stride, ts.offset // ts.dtype.itemsize)
+            table = ts.module._parameters if ts.is_param else ts.module._buffers
+            orig = table[ts.attr]
+            if ts.trainable:
+                orig.data = view
+                bound.append((ts, orig, None, 0))
+            else:
+                table[ts.attr] = view
+                # Inference tensors keep no version counter: None means "ask the module".
+                bound.append((ts, orig, view, None if view.is_inference() else view._version))
+        self.bound[u.uid] = bound
+        if self.e.timing is not None:
+            self._compute_start[u.uid] = self.e.transfer.mark()
+
+    def unbind(self, u: Unit) -> None:
+        bound = self.bound.pop(u.uid, None)
+        if bound is None:
+            return
+        e = self.e
+        e.delay()
+        dirty = []
+        for ts, orig, view, version in bound:
+            table = ts.module._parameters if ts.is_param else ts.module._buffers
+            if view is None:
+                orig.data = self.placeholder_for(ts)
+            else:
+                table[ts.attr] = orig
+                if not ts.is_param:
+                    changed = ts.module.training if version is None else view._version != version
+                    if changed:
+                        dirty.append((ts, view))
+        if dirty:
+            with e.lock:
+                e.transfer.write_back(u, dirty, e.store.master(u.uid), e.ring.lookup(u.uid))
+        if e.timing is not None and u.uid in self._compute_start:
+            e.timing.add("compute", u.uid, self._compute_start.pop(u.uid), e.transfer.mark())
+
+    # ------------------------------------------------------------------ autograd saved tensors
+    def pack_saved(self, t: torch.Tensor) -> Any:
+        e = self.e
+        if t.device != e.device or not t.numel():
+            return t
+        slot = e.ring.by_ptr.get(t.untyped_storage().data_ptr())
+        if slot is None or slot.owner is None:
+            return t
+        e.counters.saved_refs += 1
+        return SlotRef(slot.owner, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def unpack_saved(self, ref: Any) -> torch.Tensor:
+        if not isinstance(ref, SlotRef):
+            return ref
+        slot = self.e.use(self.e.units[ref.uid], backward=True)
+        return slot.buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
