@@ -16,7 +16,7 @@ import bisect
 import torch
 
 from ..hostmem import HostBuffer, trim_host_heap
-from .format import FILE_ALIGN, align
+from .format import align
 
 __all__ = ["HostPool", "trim_host_heap"]
 
