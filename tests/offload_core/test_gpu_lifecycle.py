@@ -254,14 +254,17 @@ def test_vram_budget_bounds_the_peak_activations_included() -> None:
 
 
 def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
-    d, heads, depth, tokens = 2048, 16, 8, 1024
+    # Copy-bound on purpose (403 MB blocks, 256 tokens): the smallest ring stalls, so there is
+    # something for growth to take away. At 2048 wide and 1024 tokens the host's own time per block
+    # outran the copies and the smallest ring stalled under 1% (nothing to grow for).
+    d, heads, depth, tokens = 4096, 32, 8, 256
     _fresh()
     ref = _lora_stack(d, heads, depth).to(CUDA)
     want = _losses(ref, 7, d, tokens)
     del ref
     _fresh()
     total = torch.cuda.get_device_properties(0).total_memory
-    cap = 2 << 30
+    cap = 3 << 30
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         assert device_mod.limit_bytes(torch.device(CUDA, torch.cuda.current_device())) <= cap
