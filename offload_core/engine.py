@@ -265,13 +265,6 @@ class OffloadEngine:
         if self._root_depth == 0 and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
-        if self._root_depth == 0 and not torch.is_grad_enabled():
-            # An inference call ends: no unit is in use until the next one, so the slot the last
-            # unit held can take the next call's (depth + 1)-th unit, and the copy engine has work
-            # while the host finishes this call and starts the next (the scheduler, the embedders).
-            # (After a training forward, backward goes on with the last unit: its slot stays.)
-            with self.lock:
-                self._prefetch(-1, ahead=self.schedule.depth + 1)
         if self.timing is not None and len(self.timing.pending) > 1024:
             self.timing.resolve(block=False)
 
@@ -316,11 +309,11 @@ class OffloadEngine:
             self._prefetch(u.uid)
             return slot
 
-    def _prefetch(self, current: int, ahead: int | None = None) -> None:
+    def _prefetch(self, current: int) -> None:
         if self.schedule.depth <= 0 or not self.schedule.learned:
             return
         keep = self._keep(current)
-        for uid in self.schedule.upcoming(ahead):
+        for uid in self.schedule.upcoming():
             u = self.units[uid]
             if not u.streamed or self.ring.lookup(uid) is not None:
                 continue
