@@ -106,6 +106,8 @@ def format_header(result: dict[str, Any]) -> list[str]:
     line = f"ceiling ({c['kind']}, {c['bytes'] / 1e9:.2f} GB x {c.get('repeats', '?')}): H2D {c['h2d_gbps']:.2f} GB/s (max {c['h2d_gbps_max']:.2f})"
     if c.get("d2h_gbps"):
         line += f", D2H {c['d2h_gbps']:.2f} GB/s, both at once {c['bidir_gbps']:.2f} GB/s"
+    if c.get("floor_h2d_gbps") and c["floor_h2d_gbps"] > c["h2d_gbps"]:
+        line += f"; floors at {c['floor_h2d_gbps']:.2f} GB/s, the rate of our engine's own copies (faster than the probe)"
     lines.append(line)
     for name, m in result["workloads"].items():
         res = m.get("resident_ms")

@@ -1,0 +1,43 @@
+"""bench.floor.derive: the copy rate behind the floors never flatters our rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.floor import derive
+
+GB = 1e9
+
+
+def _case(probe_gbps: float, engine_gbps: float) -> tuple[list[dict], dict, dict]:
+    metas = {"p1": {"must_cross_bytes": 5 * GB, "streamed_bytes": 5 * GB, "h2d_crossings": 1, "d2h_crossings": 0,
+                    "weight_bytes": 5 * GB}}
+    rows = [
+        {"workload": "p1", "variant": "resident", "family": "resident", "status": "ok", "time_ms": 40.0},
+        {"workload": "p1", "variant": "ours", "family": "ours", "status": "ok", "time_ms": 94.0,
+         "stats": {"streamed_bytes": 5 * GB, "h2d_gbps": engine_gbps}, "config": {}},
+    ]
+    ceiling = {"h2d_gbps": probe_gbps}
+    derive(rows, metas, ceiling)
+    return rows, metas, ceiling
+
+
+def test_a_probe_that_read_low_does_not_lift_the_floor() -> None:
+    # the probe read 49.3 GB/s while the engine copied at 54.7: the floor is the bytes at 54.7
+    rows, metas, ceiling = _case(49.3, 54.7)
+    assert ceiling["floor_h2d_gbps"] == 54.7 and ceiling["probe_h2d_gbps"] == 49.3
+    assert metas["p1"]["bytes_ms"] == pytest.approx(5 / 54.7 * 1e3)
+    assert rows[1]["x_floor"] == pytest.approx(94.0 / (5 / 54.7 * 1e3))  # 1.028, not the 0.93 the probe gave
+    assert "engine" in ceiling["floor_rate"]
+
+
+def test_a_slower_engine_does_not_lower_the_bar() -> None:
+    rows, metas, ceiling = _case(55.4, 50.0)
+    assert ceiling["floor_h2d_gbps"] == 55.4 and ceiling["floor_rate"] == "the probe"
+    assert rows[1]["x_floor"] == pytest.approx(94.0 / (5 / 55.4 * 1e3))
+
+
+def test_derive_twice_keeps_the_probe() -> None:
+    rows, metas, ceiling = _case(49.3, 54.7)
+    derive(rows, metas, ceiling)  # the bench derives again after every workload
+    assert ceiling["probe_h2d_gbps"] == 49.3 and ceiling["h2d_gbps"] == 49.3 and ceiling["floor_h2d_gbps"] == 54.7
