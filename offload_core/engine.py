@@ -170,7 +170,8 @@ class OffloadEngine:
         if cfg.lazy_load or cfg.offload_to_disk:
             from .disk.integrate import open_disk_store
 
-            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin)
+            inference = self.treat_as_inference or not any(p.requires_grad for p in self.model.parameters())
+            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin, inference=inference)
         arena = PinnedArena(self.streamed, pin=pin)
         if cfg.weights is not None:
             from .weights import fill_from_checkpoint

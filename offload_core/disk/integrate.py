@@ -91,7 +91,7 @@ def _keep_unmatched_resident(units: Iterable[Unit], names: set[str]) -> None:
 
 
 def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[str], config: Any, *,
-                    pin: bool) -> DiskStore:
+                    pin: bool, inference: bool) -> DiskStore:
     """The engine's host store for ``lazy_load`` (frozen weights only from ``shard_dir``) or
     ``offload_to_disk`` (write the model's shards to ``shard_dir``, free its RAM copy, stream back).
 
@@ -126,8 +126,9 @@ def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[s
     store = DiskStore(streamed, index, entries, cache_bytes=cache, num_disk_workers=config.num_disk_workers,
                       stream_slots=slots, policy=config.disk_cache_policy, pin=pin, verify=config.disk_verify,
                       direct=config.disk_direct)
-    if not any(p.requires_grad for p in model.parameters()):
-        # A model with nothing to train: before its first pass no trace exists, so the disk would read each
+    if inference:
+        # A model with nothing to train (the engine's call: no trainable parameter, or one taken as an
+        # inference model, as from_pretrained leaves it): before its first pass no trace exists, so the disk would read each
         # unit only when asked. The blocks run in their module order (the shards' order), so the disk reads
         # ahead in that order from the start; the embedders and heads around them come when asked, and
         # the first traced cycle replaces the guess. Training is not guessed: its first step also runs

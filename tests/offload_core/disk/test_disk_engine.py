@@ -67,11 +67,14 @@ def test_inference_from_shards_is_bitwise_and_keeps_state(shards: tuple, policy:
     assert torch.equal(_run(model), want)
 
 
-def test_a_frozen_models_first_pass_reads_ahead_in_module_order(shards: tuple) -> None:
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "as_from_pretrained"])
+def test_a_frozen_models_first_pass_reads_ahead_in_module_order(shards: tuple, frozen: bool) -> None:
     """No trace exists before the first pass: the disk reads ahead in the shards' (module) order, which is
-    the forward's for the blocks, and nothing it read is wasted; the first traced cycle then plans the rest."""
+    the forward's for the blocks, and nothing it read is wasted; the first traced cycle then plans the rest.
+    Also for a model left as from_pretrained gives it (every parameter requires grad): the engine takes
+    it as an inference model."""
     src, dst, ref = shards
-    model = _meta(src)
+    model = _meta(src) if frozen else _meta(src).requires_grad_(True)
     handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), max_memory=_budget(dst, 0.2),
                             num_disk_workers=2, offload_granularity="block")
     deadline = time.monotonic() + 10
