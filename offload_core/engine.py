@@ -89,7 +89,6 @@ class OffloadEngine:
         self._span_from: tuple[int, Any] | None = None  # (trace position, event) of the last use's start
         self._removed = False
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
-        self.placeholder_for = self.binder.placeholder_for
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
         all_frozen = config.treat_as_inference
@@ -128,7 +127,7 @@ class OffloadEngine:
         if getattr(self.store, "filled", False):
             for u in self.streamed:
                 for ts in u.tensors:
-                    set_data(ts, self.placeholder_for(ts))
+                    set_data(ts, self.binder.placeholder_for(ts))
         else:
             self._pack()
         trim_host_heap()
@@ -201,7 +200,7 @@ class OffloadEngine:
                         _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
                     else:
                         self.store.view(u, i).copy_(obj.data)
-                set_data(ts, self.placeholder_for(ts))
+                set_data(ts, self.binder.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
         anchors: dict[int, tuple[nn.Module, list[Unit]]] = {}

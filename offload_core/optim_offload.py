@@ -315,7 +315,7 @@ class OptimizerOffload:
             p.grad = None
             if it.separate:
                 self.engine.store.view(it.unit, it.index).copy_(it.master)
-            p.data = self.engine.placeholder_for(it.unit.tensors[it.index])
+            p.data = self.engine.binder.placeholder_for(it.unit.tensors[it.index])
         # The host masters changed: cached device copies of these units are stale.
         for u in {id(it.unit): it.unit for it in self.items}.values():
             self.engine.invalidate(u.uid)
