@@ -255,6 +255,7 @@ class OffloadEngine:
             for cb in self._cycle_callbacks:
                 cb()
             self.replanner.at_cycle_start()  # may raise VramBudgetError; _root_post still runs
+            self._prefetch_first()
         if torch.is_grad_enabled() and self.streamed:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved,
                                                                      self.binder.unpack_saved)
@@ -309,11 +310,17 @@ class OffloadEngine:
             self._prefetch(u.uid)
             return slot
 
-    def _prefetch(self, current: int) -> None:
+    def _prefetch_first(self) -> None:
+        """At a call's start, the trace's (depth + 1)-th unit into the slot the last call's last unit
+        left, so the copy engine has work while the host runs up to the first unit (the last call
+        already queued the first ``depth``; queued at its end, the caller's sync would wait for it)."""
+        self._prefetch(-1, ahead=self.schedule.depth + 1)
+
+    def _prefetch(self, current: int, ahead: int | None = None) -> None:
         if self.schedule.depth <= 0 or not self.schedule.learned:
             return
         keep = self._keep(current)
-        for uid in self.schedule.upcoming():
+        for uid in self.schedule.upcoming(ahead):
             u = self.units[uid]
             if not u.streamed or self.ring.lookup(uid) is not None:
                 continue

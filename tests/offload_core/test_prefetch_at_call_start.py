@@ -1,0 +1,39 @@
+"""When a call of the root module starts, the engine queues the (depth + 1)-th unit of the trace
+before the model's own code runs: the end of the last call already loaded the first ``depth``
+(the trace wraps), and the slot the last unit held takes the next one, so the copy engine has work
+while the host runs the embedders ahead of the first block."""
+
+from __future__ import annotations
+
+import copy
+
+from offload_core import enable_offload
+from offload_core_test_models import CASES, assert_bitwise, infer
+
+
+def test_a_call_starts_with_its_first_depth_plus_one_units_loaded_or_queued() -> None:
+    case = CASES["toy"]
+    ref = case.build("frozen")
+    model = copy.deepcopy(ref)
+    want = infer(case, ref, seeds=(0, 1, 2, 3))
+    h = enable_offload(model, target_device="cpu")
+    e = h.engine
+    seen: list[list[int | None]] = []
+
+    def look(module, args):  # runs after the engine's own root hook (that one is prepended)
+        if e.schedule.learned:
+            seen.append([e.ring.lookup(uid) is not None for uid in e.schedule.trace[: e.schedule.depth + 1]])
+
+    handle = model.register_forward_pre_hook(look)
+    got = infer(case, model, seeds=(0, 1, 2, 3))
+    handle.remove()
+    assert_bitwise(want, got, "output")
+    depth = e.schedule.depth
+    assert len(e.ring.slots) == depth + 1 and len(set(e.schedule.trace[: depth + 1])) == depth + 1
+    assert seen and all(all(s) for s in seen[1:]), seen
+    # and they are the call's hits: a call in the steady state loads nothing while it starts
+    misses = h.stats()["cache_misses"]
+    assert_bitwise(infer(case, ref, seeds=(4,)), infer(case, model, seeds=(4,)), "output")
+    assert h.stats()["cache_misses"] == misses
+    h.remove()
+
