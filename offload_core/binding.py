@@ -52,10 +52,11 @@ class SlotRef:
 class Binder:
     def __init__(self, engine: Any) -> None:
         self.e = engine
-        self.bound: dict[int, list] = {}  # uid -> (tensor slot, original, view, version) per tensor, while its module runs
+        self.bound: dict[int, list] = {}  # uid -> (table, attr, original, view, version or placeholder) per tensor, while its module runs
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
         self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
+        self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
 
     def placeholder_for(self, ts: Any) -> torch.Tensor:
         """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
@@ -88,19 +89,38 @@ class Binder:
                     self.unbind(u)
         return post
 
+    def _spec(self, u: Unit) -> list:
+        """What binding u needs per tensor, worked out once (layouts are fixed after setup):
+        (tensor slot, module, is_param, attr, dtype, shape, stride, element offset, placeholder or None).
+        A trainable tensor's placeholder (its shape at stride 0) is kept: unbind gives it back."""
+        spec = self._specs.get(u.uid)
+        if spec is None:
+            spec = self._specs[u.uid] = [
+                (ts, ts.module, ts.is_param, ts.attr, ts.dtype, tuple(ts.shape), ts.contiguous_stride,
+                 ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None)
+                for ts in u.tensors]
+        return spec
+
     def bind(self, u: Unit, slot: Slot) -> None:
+        # The hot path of every use: one strided view per tensor, nothing else worked out here.
         bound = []
-        for ts in u.tensors:
-            view = slot.typed(ts.dtype).as_strided(ts.shape, ts.contiguous_stride, ts.offset // ts.dtype.itemsize)
-            table = ts.module._parameters if ts.is_param else ts.module._buffers
-            orig = table[ts.attr]
-            if ts.trainable:
+        add = bound.append
+        typed = slot.typed
+        base_dtype = base = None
+        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph in self._spec(u):
+            if dtype is not base_dtype:
+                base_dtype, base = dtype, typed(dtype)
+            view = base.as_strided(shape, stride, eoff)
+            table = m._parameters if is_param else m._buffers
+            orig = table[attr]
+            if ph is not None:
                 orig.data = view
-                bound.append((ts, orig, None, 0))
+                add((table, attr, orig, None, ph))
             else:
-                table[ts.attr] = view
-                # Inference tensors keep no version counter: None means "ask the module".
-                bound.append((ts, orig, view, None if view.is_inference() else view._version))
+                table[attr] = view
+                # A buffer's version tells unbind whether it was updated in place; inference tensors
+                # keep none (None: ask the module). A frozen parameter needs neither.
+                add((table, attr, orig, view, None if is_param or view.is_inference() else view._version))
         self.bound[u.uid] = bound
         if self.e.timing is not None:
             self._compute_start[u.uid] = self.e.transfer.mark()
@@ -111,17 +131,16 @@ class Binder:
             return
         e = self.e
         e.delay()
-        dirty = []
-        for ts, orig, view, version in bound:
-            table = ts.module._parameters if ts.is_param else ts.module._buffers
+        dirty = None
+        for (table, attr, orig, view, extra), spec in zip(bound, self._specs[u.uid]):
             if view is None:
-                orig.data = self.placeholder_for(ts)
-            else:
-                table[ts.attr] = orig
-                if not ts.is_param:
-                    changed = ts.module.training if version is None else view._version != version
-                    if changed:
-                        dirty.append((ts, view))
+                orig.data = extra  # the trainable tensor's placeholder
+                continue
+            table[attr] = orig
+            if not spec[2]:  # a buffer: written back if it changed while bound
+                changed = spec[1].training if extra is None else view._version != extra
+                if changed:
+                    (dirty := dirty or []).append((spec[0], view))
         if dirty:
             with e.lock:
                 e.transfer.write_back(u, dirty, e.store.master(u.uid), e.ring.lookup(u.uid))
