@@ -55,7 +55,6 @@ class Binder:
         self.bound: dict[int, list] = {}  # uid -> (table, attr, original, view, version or placeholder) per tensor, while its module runs
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
-        self._compute_start: dict[int, Any] = {}  # uid -> event recorded when the unit was bound
         self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
 
     def placeholder_for(self, ts: Any) -> torch.Tensor:
@@ -122,8 +121,6 @@ class Binder:
                 # keep none (None: ask the module). A frozen parameter needs neither.
                 add((table, attr, orig, view, None if is_param or view.is_inference() else view._version))
         self.bound[u.uid] = bound
-        if self.e.timing is not None:
-            self._compute_start[u.uid] = self.e.transfer.mark()
 
     def unbind(self, u: Unit) -> None:
         bound = self.bound.pop(u.uid, None)
@@ -144,8 +141,6 @@ class Binder:
         if dirty:
             with e.lock:
                 e.transfer.write_back(u, dirty, e.store.master(u.uid), e.ring.lookup(u.uid))
-        if e.timing is not None and u.uid in self._compute_start:
-            e.timing.add("compute", u.uid, self._compute_start.pop(u.uid), e.transfer.mark())
 
     # ------------------------------------------------------------------ autograd saved tensors
     def pack_saved(self, t: torch.Tensor) -> Any:

@@ -285,7 +285,7 @@ class OffloadEngine:
             self._tick += 1
             new_use = self.schedule.observe_new(u.uid)
             timed = self.timing is not None and new_use
-            arrive = (self.transfer.mark(), self.transfer.mark()) if timed else None
+            arrive = self.transfer.mark() if timed else None
             slot = self.ring.lookup(u.uid)
             if slot is None:
                 slot = self._load(u, self._keep(u.uid), urgent=True)
@@ -300,13 +300,15 @@ class OffloadEngine:
             if self.use_streams and slot.ready is not None:
                 self.transfer.compute_stream().wait_event(slot.ready)
             if timed:
-                # stall: waiting for this unit's bytes; span: busy from the last use's start to here.
-                # Every pair owns its events (the log recycles an event once its pair resolves).
-                self.timing.add("stall", u.uid, arrive[0], self.transfer.mark(), cycle=self.schedule.cycles)
+                # span: busy from the last use's start to this arrival; stall: waiting here for this
+                # unit's bytes. Two events a use: the arrival ends the span and starts the stall,
+                # whose end starts the next span (the pair that starts with an event pools it).
+                ready = self.transfer.mark()
                 if self._span_from is not None:
                     pos, ev = self._span_from
-                    self.timing.add("span", ("pos", pos), ev, arrive[1])
-                self._span_from = (self.schedule.position, self.transfer.mark())
+                    self.timing.add("span", ("pos", pos), ev, arrive, own_end=False)
+                self.timing.add("stall", u.uid, arrive, ready, cycle=self.schedule.cycles, own_end=False)
+                self._span_from = (self.schedule.position, ready)
             self._prefetch(u.uid)
             return slot
 

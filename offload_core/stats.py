@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,20 +73,23 @@ class TimingLog:
             return self._free.pop()
         return HostEvent() if self.host else torch.cuda.Event(enable_timing=True)
 
-    def add(self, kind: str, uid: int, start: torch.cuda.Event, end: torch.cuda.Event, cycle: int | None = None) -> None:
-        self.pending.append((kind, uid, start, end, cycle))
+    def add(self, kind: str, uid: Any, start: Any, end: Any, cycle: int | None = None, own_end: bool = True) -> None:
+        """A pair to resolve later. ``own_end=False``: ``end`` is also the start of a pair added
+        after this one, and that pair gives it back to the pool (one event, two readings)."""
+        self.pending.append((kind, uid, start, end, cycle, own_end))
         if len(self.pending) > self.backlog:
             self.resolve(block=False)
 
     def resolve(self, block: bool = True) -> None:
-        keep = []
-        for item in self.pending:
-            kind, uid, start, end, cycle = item
-            if not block and not end.query():
-                keep.append(item)
-                continue
+        """Resolve pending pairs in the order they were added (without blocking: up to the first
+        whose end has not happened yet), so a shared event is pooled again only once every pair
+        that reads it has been resolved."""
+        done = 0
+        for kind, uid, start, end, cycle, own_end in self.pending:
             if block:
                 end.synchronize()
+            elif not end.query():
+                break
             ms = start.elapsed_time(end)
             self.total_ms[kind] += ms
             self.per_unit_ms[uid][kind] += ms
@@ -93,8 +97,11 @@ class TimingLog:
             self.counts[kind] += 1
             if cycle is not None:
                 self.cycle_ms[(kind, cycle)] += ms
-            self._free.extend((start, end))
-        self.pending = keep
+            self._free.append(start)
+            if own_end:
+                self._free.append(end)
+            done += 1
+        del self.pending[:done]
 
     def reset(self) -> None:
         self.pending.clear()

@@ -116,6 +116,26 @@ def test_handle_stats_keys_and_types() -> None:
     handle.remove()
 
 
+def test_compute_ms_is_the_busy_time_between_uses() -> None:
+    """compute_ms comes from the spans the planner measures (one use to the next in a cycle), so
+    binding a unit records no events of its own: each unit but the cycle's last has a share."""
+    case = CASES["flux"]
+    model = case.build("frozen")
+    handle = enable_offload(model, target_device="cpu", offload_granularity="block")
+    infer(case, model, seeds=(0, 1, 2))
+    stats = handle.stats()
+    e = handle.engine
+    spans = {k[1]: v["span"] for k, v in e.timing.per_unit_ms.items() if isinstance(k, tuple) and k[0] == "pos"}
+    trace = e.schedule.trace
+    assert len(trace) > 2 and stats["compute_ms"] > 0
+    assert abs(stats["compute_ms"] - sum(ms for p, ms in spans.items() if p < len(trace) - 1)) < 1e-6
+    by_name = {u["name"]: u for u in stats["units"]}
+    for uid in trace[:-1]:
+        assert by_name[e.units[uid].name].get("compute_ms", 0.0) > 0, e.units[uid].name
+    assert "compute" not in e.timing.total_ms  # no events of its own
+    handle.remove()
+
+
 def test_manager_stats_has_the_handle_keys() -> None:
     case = CASES["flux"]
     model = case.build("adapter")
