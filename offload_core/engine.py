@@ -283,6 +283,8 @@ class OffloadEngine:
         self.delay()
         with self.lock:
             self._tick += 1
+            if self.replanner.active:
+                self.replanner.sample()
             new_use = self.schedule.observe_new(u.uid)
             timed = self.timing is not None and new_use
             arrive = self.transfer.mark() if timed else None

@@ -13,7 +13,9 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
   after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
 
 The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
-peak it reads is this model's (activations and all).
+peak it reads is this model's (activations and all). While it is deciding, it also reads the peak at
+every use and keeps the highest: a training loop that resets the statistics each step cannot hide
+the activations from a decision.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Replanner:
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
         self.rounds = 0
+        self.sampled_peak = 0  # the device's peak reading, taken at every use while deciding
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -65,7 +68,20 @@ class Replanner:
             forced=frozenset(uid for uid in ring.sticky if e.units[uid].nbytes > ring.slot_bytes),
             stale=frozenset(u.uid for u in e.streamed if u.trainable), fixed_bytes=fixed,
             engine_bytes=fixed + ring.capacity_bytes + ring.sticky_bytes,
-            peak_bytes=device.peak_bytes(e.device), limit_bytes=device.limit_bytes(e.device))
+            peak_bytes=self.peak(), limit_bytes=device.limit_bytes(e.device))
+
+    def sample(self) -> None:
+        """At a use, while plans are being decided: keep the highest peak reading seen. A training
+        loop that resets the peak statistics every step (to log each step's peak) would otherwise
+        leave a decision at a cycle start reading only what came after the reset, and the ring would
+        grow into memory the activations need."""
+        p = device.peak_bytes(self.e.device)
+        if p is not None and p > self.sampled_peak:
+            self.sampled_peak = p
+
+    def peak(self) -> int | None:
+        p = device.peak_bytes(self.e.device)
+        return None if p is None else max(p, self.sampled_peak)
 
     def predict(self) -> float | None:
         m = self.measure()
@@ -101,6 +117,7 @@ class Replanner:
         self.training &= torch.is_grad_enabled()
         if k == 1:
             device.reset_peak(e.device)  # from here on the peak is this model's: its activations and the ring
+            self.sampled_peak = 0
             return
         # Stalls are kept per cycle, so only a decision point resolves (and so waits for the device):
         # a cycle that follows a host wait is not the one whose stall is read.

@@ -71,7 +71,8 @@ def _lora_stack(d: int, heads: int, depth: int, seed: int = 0) -> nn.Module:
     return m.train()
 
 
-def _losses(model: nn.Module, steps: int, d: int, tokens: int, mgr=None) -> list[torch.Tensor]:
+def _losses(model: nn.Module, steps: int, d: int, tokens: int, mgr=None, peaks: list | None = None) -> list[torch.Tensor]:
+    """peaks: log each step's peak allocated VRAM and reset the statistics, as a training loop does."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     out = []
     for step in range(steps):
@@ -85,6 +86,10 @@ def _losses(model: nn.Module, steps: int, d: int, tokens: int, mgr=None) -> list
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(loss.detach())
+        if peaks is not None:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
     return out
 
 
@@ -281,6 +286,43 @@ def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
         assert peak <= cap - 256 * MiB, "the ring grew into the safety margin"
         assert st["plan"]["chosen_by"].startswith("free memory") and st["slot_count"] > 3, \
             f"the ring did not grow into the free memory: {st['plan']}"
+        mgr.remove()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step() -> None:
+    # 8192 tokens: the activations (about 1.8 GB: checkpoints and one block's recompute) are several
+    # 403 MB slots. A loop that logs and resets the peak each step leaves the decision at the third
+    # cycle start reading only the ring and the adapters; the peak the engine reads at every use
+    # keeps the activations in view.
+    d, heads, depth, tokens = 4096, 32, 8, 8192
+    _fresh()
+    ref = _lora_stack(d, heads, depth).to(CUDA)
+    want = _losses(ref, 7, d, tokens)
+    del ref
+    _fresh()
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = 4 << 30
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        limit = device_mod.limit_bytes(torch.device(CUDA, torch.cuda.current_device()))
+        off = _lora_stack(d, heads, depth)
+        mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block")
+        peaks: list[int] = []
+        got = _losses(off, 7, d, tokens, mgr, peaks=peaks)
+        st = mgr.stats()
+        margin = max(512 * MiB, int(0.05 * limit))
+        # what the first two cycles (steps 0 and 1, measured for the decision) really peaked at
+        true_room = max(limit - margin - max(peaks[:2]), 0) // st["slot_bytes"]
+        _report("growth_reset", {"cap": cap, "peaks": peaks, "slots": st["slot_count"],
+                                 "growth_room_slots": st["plan"].get("growth_room_slots"), "true_room": true_room,
+                                 "plan": {k: v for k, v in st["plan"].items() if isinstance(v, (int, float, str))}})
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), "losses differ from resident"
+        assert st["plan"].get("growth_room_slots") is not None, st["plan"]
+        # the uses see the peak up to the last unit's backward; allow the one slot that tail may hide
+        assert st["plan"]["growth_room_slots"] <= true_room + 1, (st["plan"], peaks)
+        assert max(peaks) <= cap - 256 * MiB, "the ring grew into the safety margin"
         mgr.remove()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
