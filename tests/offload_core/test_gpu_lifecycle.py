@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -258,21 +259,34 @@ def test_vram_budget_bounds_the_peak_activations_included() -> None:
     mgr2.remove()
 
 
-def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
-    # Copy-bound on purpose (403 MB blocks, 256 tokens): the smallest ring stalls, so there is
-    # something for growth to take away. At 2048 wide and 1024 tokens the host's own time per block
-    # outran the copies and the smallest ring stalled under 1% (nothing to grow for).
-    d, heads, depth, tokens = 4096, 32, 8, 256
+def _resident_losses(d: int, heads: int, depth: int, tokens: int) -> list[torch.Tensor]:
     _fresh()
     ref = _lora_stack(d, heads, depth).to(CUDA)
     want = _losses(ref, 7, d, tokens)
     del ref
     _fresh()
-    total = torch.cuda.get_device_properties(0).total_memory
-    cap = 3 << 30
-    torch.cuda.set_per_process_memory_fraction(cap / total)
+    return want
+
+
+@contextlib.contextmanager
+def _capped(cap: int) -> Iterator[int]:
+    """This process may allocate ``cap`` bytes of the card (a smaller card, emulated); yields the limit the engine sees."""
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     try:
-        assert device_mod.limit_bytes(torch.device(CUDA, torch.cuda.current_device())) <= cap
+        yield device_mod.limit_bytes(torch.device(CUDA, torch.cuda.current_device()))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
+    # Copy-bound on purpose (403 MB blocks, 256 tokens): the smallest ring stalls, so there is
+    # something for growth to take away. At 2048 wide and 1024 tokens the host's own time per block
+    # outran the copies and the smallest ring stalled under 1% (nothing to grow for).
+    d, heads, depth, tokens = 4096, 32, 8, 256
+    want = _resident_losses(d, heads, depth, tokens)
+    cap = 3 << 30
+    with _capped(cap) as limit:
+        assert limit <= cap
         off = _lora_stack(d, heads, depth)
         mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block")
         got = _losses(off, 7, d, tokens, mgr)
@@ -287,8 +301,6 @@ def test_ring_grows_only_into_what_a_memory_cap_leaves() -> None:
         assert st["plan"]["chosen_by"].startswith("free memory") and st["slot_count"] > 3, \
             f"the ring did not grow into the free memory: {st['plan']}"
         mgr.remove()
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step() -> None:
@@ -297,16 +309,9 @@ def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step()
     # cycle start reading only the ring and the adapters; the peak the engine reads at every use
     # keeps the activations in view.
     d, heads, depth, tokens = 4096, 32, 8, 8192
-    _fresh()
-    ref = _lora_stack(d, heads, depth).to(CUDA)
-    want = _losses(ref, 7, d, tokens)
-    del ref
-    _fresh()
-    total = torch.cuda.get_device_properties(0).total_memory
+    want = _resident_losses(d, heads, depth, tokens)
     cap = 4 << 30
-    torch.cuda.set_per_process_memory_fraction(cap / total)
-    try:
-        limit = device_mod.limit_bytes(torch.device(CUDA, torch.cuda.current_device()))
+    with _capped(cap) as limit:
         off = _lora_stack(d, heads, depth)
         mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block")
         peaks: list[int] = []
@@ -324,5 +329,3 @@ def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step()
         assert st["plan"]["growth_room_slots"] <= true_room + 1, (st["plan"], peaks)
         assert max(peaks) <= cap - 256 * MiB, "the ring grew into the safety margin"
         mgr.remove()
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
