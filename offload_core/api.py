@@ -84,19 +84,10 @@ class OffloadHandle:
             e.timing.resolve(block=True)
             h2d_ms = e.timing.total_ms.get("h2d", 0.0)
             stall_ms = e.timing.total_ms.get("stall", 0.0)
-            # Compute: the device's busy time from a use to the next one in the same cycle (the span
-            # of trace position p is the work of the unit used there, and whatever ran beside it;
-            # the cycle's last span runs on into the next cycle, so it is left out).
-            per_unit = {uid: dict(kinds) for uid, kinds in e.timing.per_unit_ms.items() if not isinstance(uid, tuple)}
-            trace = e.schedule.trace
-            for key, kinds in e.timing.per_unit_ms.items():
-                if isinstance(key, tuple) and key[0] == "pos" and 0 <= key[1] < len(trace) - 1:
-                    ms = kinds.get("span", 0.0)
-                    compute_ms += ms
-                    unit = per_unit.setdefault(trace[key[1]], {})
-                    unit["compute"] = unit.get("compute", 0.0) + ms
+            # compute: the spans within a cycle (a use to the next), each counted for the unit used first
+            compute_ms = e.timing.total_ms.get("compute", 0.0)
             for info, u in zip(out["units"], e.units):
-                info.update({f"{k}_ms": v for k, v in per_unit.get(u.uid, {}).items()})
+                info.update({f"{k}_ms": v for k, v in e.timing.per_unit_ms.get(u.uid, {}).items()})
         timed_bytes = c.h2d_bytes if e.timing is not None else 0
         if e.timing is not None and e.timing.counts.get("cycle"):
             # A cycle is root forward to root forward: a training step, or one inference call.

@@ -56,10 +56,16 @@ def limit_bytes(device: torch.device) -> int | None:
 
 
 def peak_bytes(device: torch.device) -> int | None:
-    """Peak allocated bytes since the last reset_peak (None off a card)."""
+    """Peak allocated bytes since the last reset_peak (None off a card).
+
+    Read from the allocator's nested statistics: ``max_memory_allocated`` flattens all of them in
+    Python first, and the replanner reads this at every use while it decides."""
     if device.type != "cuda":
         return None
-    return int(torch.cuda.max_memory_allocated(device))
+    try:
+        return int(torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"])
+    except (KeyError, TypeError):  # not initialized yet: an empty dict
+        return int(torch.cuda.max_memory_allocated(device))
 
 
 def reset_peak(device: torch.device) -> None:

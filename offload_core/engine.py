@@ -86,7 +86,7 @@ class OffloadEngine:
         self._handles: list[Any] = []
         self._cycle_callbacks: list[Callable[[], None]] = []
         self._cycle_start: Any = None
-        self._span_from: tuple[int, Any] | None = None  # (trace position, event) of the last use's start
+        self._span_from: tuple | None = None  # (trace position, event, cycle, uid) of the last use's start
         self._removed = False
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
 
@@ -307,10 +307,12 @@ class OffloadEngine:
                 # whose end starts the next span (the pair that starts with an event pools it).
                 ready = self.transfer.mark()
                 if self._span_from is not None:
-                    pos, ev = self._span_from
-                    self.timing.add("span", ("pos", pos), ev, arrive, own_end=False)
+                    # within a cycle a span is the last unit's compute; across cycles it is not
+                    pos, ev, cycle, uid = self._span_from
+                    self.timing.add("span", ("pos", pos), ev, arrive, own_end=False,
+                                    compute=uid if cycle == self.schedule.cycles else None)
                 self.timing.add("stall", u.uid, arrive, ready, cycle=self.schedule.cycles, own_end=False)
-                self._span_from = (self.schedule.position, ready)
+                self._span_from = (self.schedule.position, ready, self.schedule.cycles, u.uid)
             self._prefetch(u.uid)
             return slot
 

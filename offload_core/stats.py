@@ -73,10 +73,12 @@ class TimingLog:
             return self._free.pop()
         return HostEvent() if self.host else torch.cuda.Event(enable_timing=True)
 
-    def add(self, kind: str, uid: Any, start: Any, end: Any, cycle: int | None = None, own_end: bool = True) -> None:
+    def add(self, kind: str, uid: Any, start: Any, end: Any, cycle: int | None = None, own_end: bool = True,
+            compute: Any = None) -> None:
         """A pair to resolve later. ``own_end=False``: ``end`` is also the start of a pair added
-        after this one, and that pair gives it back to the pool (one event, two readings)."""
-        self.pending.append((kind, uid, start, end, cycle, own_end))
+        after this one, and that pair gives it back to the pool (one event, two readings).
+        ``compute``: a unit the pair's time also counts for, as its compute."""
+        self.pending.append((kind, uid, start, end, cycle, own_end, compute))
         if len(self.pending) > self.backlog:
             self.resolve(block=False)
 
@@ -85,23 +87,28 @@ class TimingLog:
         whose end has not happened yet), so a shared event is pooled again only once every pair
         that reads it has been resolved."""
         done = 0
-        for kind, uid, start, end, cycle, own_end in self.pending:
-            if block:
-                end.synchronize()
-            elif not end.query():
-                break
-            ms = start.elapsed_time(end)
-            self.total_ms[kind] += ms
-            self.per_unit_ms[uid][kind] += ms
-            self.last_ms[(kind, uid)] = ms
-            self.counts[kind] += 1
-            if cycle is not None:
-                self.cycle_ms[(kind, cycle)] += ms
-            self._free.append(start)
-            if own_end:
-                self._free.append(end)
-            done += 1
-        del self.pending[:done]
+        try:
+            for kind, uid, start, end, cycle, own_end, compute in self.pending:
+                if block:
+                    end.synchronize()
+                elif not end.query():
+                    break
+                ms = start.elapsed_time(end)
+                self.total_ms[kind] += ms
+                self.per_unit_ms[uid][kind] += ms
+                self.last_ms[(kind, uid)] = ms
+                self.counts[kind] += 1
+                if cycle is not None:
+                    self.cycle_ms[(kind, cycle)] += ms
+                if compute is not None:
+                    self.total_ms["compute"] += ms
+                    self.per_unit_ms[compute]["compute"] += ms
+                self._free.append(start)
+                if own_end:
+                    self._free.append(end)
+                done += 1
+        finally:
+            del self.pending[:done]  # what was read (and pooled) is never read again
 
     def reset(self) -> None:
         self.pending.clear()
