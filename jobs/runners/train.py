@@ -11,6 +11,7 @@ Read top to bottom, `train()` is the recipe:
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -127,8 +128,11 @@ def train(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
     prompts = [rnd.parse_prompt(p, prompt_defaults) for p in rnd.read_prompts(t.sample_prompts, dataset)]
     watch = HostMemoryWatch(run_dir, warn_fraction=float(os.environ.get("OFFLOAD_JOBS_HOST_MEMORY_WARN", "0.92")))
     with watch:
-        return _train(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.items,
-                      prompts, watch)
+        try:
+            return _train(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.items,
+                          prompts, watch)
+        finally:
+            gc.unfreeze()  # the loop froze the setup's objects; a loop that raised gives them back here
 
 
 def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device,
@@ -263,7 +267,13 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
         state["position"] += 1
         return batch
 
-    # 5. the loop
+    # 5. the loop. What exists now lives as long as the loop does: frozen out of the cycle
+    # collector's sight, a full collection scans only what the steps allocate (in the bench's
+    # Flux-dev dims LoRA process on the H200, 633k tracked objects made each full collection take
+    # 0.3-0.5 s, about one step in ten; after gc.freeze() 5 ms). The loop's end gives them back.
+    gc.collect()
+    gc.freeze()
+    emit_event(run_dir, "gc_frozen", objects=gc.get_freeze_count())
     watch.phase("train")
     controls = Controls(run_dir)
     controls.install_sigterm()
@@ -330,6 +340,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             emit_event(run_dir, "stopped", step=step, message="stopped on request after a checkpoint")
             break
     bar.close()
+    gc.unfreeze()
 
     # 6. the LoRA file
     lora_path = outputs / f"{t.output_name}.safetensors"

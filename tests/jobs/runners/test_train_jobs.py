@@ -78,6 +78,7 @@ def test_train_then_infer(client, tiny: dict[str, Path], train_jobs: dict[str, s
     assert steps[-1]["h2d_bytes"] > steps[0]["h2d_bytes"] > 0  # the engine streamed the weights every step
     assert "train: 100%" in log(job)  # the progress bar, as whole lines
     assert "Traceback" not in log(job)
+    assert events(job, "runner.gc_frozen")[0]["objects"] > 1000  # the loop's collections skip the setup's objects
 
     rd = run_dir(job)
     assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["step-000020", "step-000030"]  # keep_last: 2
