@@ -132,7 +132,7 @@ def train(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
             return _train(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.items,
                           prompts, watch)
         finally:
-            gc.unfreeze()  # the loop froze the setup's objects; a loop that raised gives them back here
+            gc.unfreeze()  # _train froze the setup's objects for its loop
 
 
 def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device,
@@ -270,7 +270,8 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     # 5. the loop. What exists now lives as long as the loop does: frozen out of the cycle
     # collector's sight, a full collection scans only what the steps allocate (in the bench's
     # Flux-dev dims LoRA process on the H200, 633k tracked objects made each full collection take
-    # 0.3-0.5 s, about one step in ten; after gc.freeze() 5 ms). The loop's end gives them back.
+    # 0.3-0.5 s, about one step in ten; after gc.freeze() 5 ms). train() unfreezes them when this
+    # returns or raises.
     gc.collect()
     gc.freeze()
     emit_event(run_dir, "gc_frozen", objects=gc.get_freeze_count())
@@ -340,7 +341,6 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             emit_event(run_dir, "stopped", step=step, message="stopped on request after a checkpoint")
             break
     bar.close()
-    gc.unfreeze()
 
     # 6. the LoRA file
     lora_path = outputs / f"{t.output_name}.safetensors"
