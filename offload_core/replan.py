@@ -14,8 +14,9 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
 
 The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
 peak it reads is this model's (activations and all). While it is deciding, it also reads the peak at
-every use and keeps the highest: a training loop that resets the statistics each step cannot hide
-the activations from a decision.
+every use, and at the end of every backward pass that used a unit, and keeps the highest: a
+training loop that resets the statistics each step cannot hide the activations from a decision,
+nor the backward of the last unit used (which runs after its use).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Replanner:
         self.grown_at = 0  # the cycle at whose start the last growth was applied
         self.rounds = 0
         self.sampled_peak = 0  # the device's peak reading, taken at every use while deciding
+        self._tail_task = -1  # the backward pass whose end is already queued to read the peak
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -75,6 +77,15 @@ class Replanner:
         loop that resets the peak statistics every step (to log each step's peak) would otherwise
         leave a decision at a cycle start reading only what came after the reset, and the ring would
         grow into memory the activations need."""
+        self._sample_peak()
+        # In a backward pass, read it once more when the pass ends: after the last unit's use its
+        # backward still runs (with checkpointing, the largest activations of the cycle).
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._tail_task:
+            self._tail_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._sample_peak)
+
+    def _sample_peak(self) -> None:
         p = device.peak_bytes(self.e.device)
         if p is not None and p > self.sampled_peak:
             self.sampled_peak = p

@@ -159,6 +159,32 @@ def test_growth_sees_the_activations_when_the_loop_resets_the_peak_every_step(ca
     mgr.remove()
 
 
+def test_growth_sees_the_last_units_backward_when_the_loop_resets_the_peak(card: dict) -> None:
+    """The backward of the last unit used runs after its use; a loop that resets the peak after the
+    step would hide it from every use. The end of the backward pass reads the peak too."""
+    case = CASES["toy"]
+    ref = case.build("adapter")
+    off = copy.deepcopy(ref)
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
+    slot = mgr.stats()["slot_bytes"]
+    high = card["limit"] - 512 * MiB - slot // 2
+    # layers.1's adapter: backward reaches it after its last use of a unit (layers.2; layers.0 needs none)
+    adapter = next(p for p in off.parameters() if p.requires_grad)
+    hook = adapter.register_hook(lambda g: card.__setitem__("peak", max(card["peak"], high)))
+    want = train(case, ref, make_optimizer(ref), steps=1)
+    opt = make_optimizer(off)
+    got = []
+    for _ in range(7):
+        got.append(train(case, off, opt, steps=1))
+        card["peak"] = 0  # the loop logs the step's peak and resets the statistics
+    hook.remove()
+    assert_traces_equal(want, got[0])
+    st = mgr.stats()
+    assert st["plan"].get("growth_room_slots") == 0, st["plan"]
+    assert st["slot_count"] == 3, "no slot grew into the memory the last unit's backward takes"
+    mgr.remove()
+
+
 def test_inference_keeps_its_ring_on_a_card(card: dict) -> None:
     # a pipeline needs the card's free memory for the VAE after the transformer: no growth
     case = CASES["toy"]
