@@ -9,7 +9,8 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
 - without one, on a card, with the prefetch depth not pinned and the cycles training steps,
   ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
   growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
-  ring goes back. Inference keeps its ring: a pipeline needs the card's free memory for what runs
+  ring goes back. A first decision that found no stall to take away, where there is room, looks
+  again ``RETRY_AFTER`` cycles on (twice at most): it read one cycle, and one slow cycle shows none. Inference keeps its ring: a pipeline needs the card's free memory for what runs
   after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
 
 The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
@@ -30,6 +31,11 @@ from . import device, planner
 __all__ = ["Replanner"]
 
 
+def growth_room_ok(m: planner.Measurements, margin: int) -> bool:
+    """Whether the device has room for at least one more slot some unit would use."""
+    return planner.growth_room(m, margin) > 0
+
+
 class Replanner:
     def __init__(self, e: Any) -> None:
         self.e = e
@@ -45,6 +51,8 @@ class Replanner:
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
         self.rounds = 0
+        self.retries = 0  # first decisions that found no stall, tried again later (RETRY_AFTER)
+        self.retry_at = 0  # the cycle at whose start the next retry is
         self.sampled_peak = 0  # the device's peak reading, taken at every use while deciding
         self._tail_task = -1  # the backward pass whose end is already queued to read the peak
 
@@ -145,6 +153,12 @@ class Replanner:
                 self.active = False
             else:
                 self._grow(m, k)
+        elif self.retry_at and k == self.retry_at:
+            # the first decision read one cycle; one slow cycle (a host pause) can show no stall
+            self.retry_at = 0
+            m = self.measure()
+            if m is None or not self._grow(m, k):
+                self.active = self.retry_at != 0 or self.before is not None
         elif self.before is not None and k == self.grown_at + 2:
             # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
             # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
@@ -167,6 +181,9 @@ class Replanner:
                 self.active = False
 
     MAX_ROUNDS = 3  # growths tried one after the other while the measured stall keeps falling
+    MAX_RETRIES = 2  # a training ring that found no stall to take away, with room to grow, looks again
+    RETRY_AFTER = 3  # cycles on (on the H200, at Flux-dev size under 8 GiB, one slow cycle showed
+    #                  17.8 ms of stall where the others showed 161, and the ring stayed at 3 slots)
 
     def _grow(self, m: planner.Measurements, k: int) -> bool:
         """Try a deeper ring (evaluated two cycles on); False when there is nothing to try."""
@@ -180,7 +197,11 @@ class Replanner:
             if self.rounds == 0:
                 e.prediction["growth"] = "none: " + ("inference keeps its ring" if not self.training
                                                      else "no free memory, or no stall to take away")
-            self.active = self.before is not None
+                if self.training and self.retries < self.MAX_RETRIES and growth_room_ok(m, margin):
+                    self.retries += 1
+                    self.retry_at = k + self.RETRY_AFTER
+                    e.prediction["growth_retries"] = self.retries
+            self.active = self.retry_at != 0 or self.before is not None
             return False
         self.before = planner.Plan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
                                    "smallest ring" if self.rounds == 0 else "free memory")

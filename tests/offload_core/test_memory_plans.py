@@ -185,6 +185,34 @@ def test_growth_sees_the_last_units_backward_when_the_loop_resets_the_peak(card:
     mgr.remove()
 
 
+def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first decision reads one cycle; one slow cycle (a host pause) shows no stall to take
+    away. With room to grow, the replanner looks again a few cycles on, and grows then."""
+    from offload_core.replan import Replanner
+
+    calls = []
+
+    def first_reads_none(self, cycle: int) -> float:
+        # the CPU's copies are synchronous (no stall measured apart): stand in a falling one after
+        # the first reading
+        calls.append(cycle)
+        return 0.0 if len(calls) == 1 else 1000.0 / len(calls)
+
+    monkeypatch.setattr(Replanner, "cycle_stall", first_reads_none)
+    case = CASES["toy"]
+    ref = case.build("adapter")
+    off = copy.deepcopy(ref)
+    want = train(case, ref, make_optimizer(ref), steps=12)
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
+    got = train(case, off, make_optimizer(off), steps=12)
+    assert_traces_equal(want, got)
+    plan = mgr.stats()["plan"]
+    assert plan.get("growth_retries") == 1, plan
+    assert plan["chosen_by"].startswith("free memory"), plan
+    assert "stall_after_growth_ms" in plan and mgr.stats()["slot_count"] > 3, "the retry grew the ring"
+    mgr.remove()
+
+
 def test_inference_keeps_its_ring_on_a_card(card: dict) -> None:
     # a pipeline needs the card's free memory for the VAE after the transformer: no growth
     case = CASES["toy"]
