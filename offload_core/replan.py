@@ -10,8 +10,9 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
   ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
   growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
   ring goes back. A first decision that found no stall to take away, where there is room, looks
-  again ``RETRY_AFTER`` cycles on (twice at most): it read one cycle, and one slow cycle shows none. Inference keeps its ring: a pipeline needs the card's free memory for what runs
-  after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
+  again ``RETRY_AFTER`` cycles on (twice at most): it read one cycle, and one slow cycle shows none.
+  Inference keeps its ring: a pipeline needs the card's free memory for what runs after the
+  transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
 
 The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
 peak it reads is this model's (activations and all). While it is deciding, it also reads the peak at
@@ -29,11 +30,6 @@ import torch
 from . import device, planner
 
 __all__ = ["Replanner"]
-
-
-def growth_room_ok(m: planner.Measurements, margin: int) -> bool:
-    """Whether the device has room for at least one more slot some unit would use."""
-    return planner.growth_room(m, margin) > 0
 
 
 class Replanner:
@@ -197,7 +193,7 @@ class Replanner:
             if self.rounds == 0:
                 e.prediction["growth"] = "none: " + ("inference keeps its ring" if not self.training
                                                      else "no free memory, or no stall to take away")
-                if self.training and self.retries < self.MAX_RETRIES and growth_room_ok(m, margin):
+                if self.training and self.retries < self.MAX_RETRIES and planner.growth_room(m, margin) > 0:
                     self.retries += 1
                     self.retry_at = k + self.RETRY_AFTER
                     e.prediction["growth_retries"] = self.retries
