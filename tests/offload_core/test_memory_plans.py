@@ -132,19 +132,17 @@ def test_growth_on_an_emulated_card_stays_bitwise(card: dict, ckpt: bool) -> Non
     mgr.remove()
 
 
-def test_growth_sees_the_activations_when_the_loop_resets_the_peak_every_step(card: dict) -> None:
-    """A loop that logs each step's peak and resets the statistics (torch.cuda.reset_peak_memory_stats)
-    leaves a cycle start reading almost nothing; the activations, read at the uses in between, still
-    keep the growth out of the memory they take."""
+def _grow_under_peak_resets(card: dict, raise_peak_in) -> dict:
+    """Seven steps of the toy adapter on the emulated card, resetting the peak after each step as a
+    loop that logs it does. ``raise_peak_in(off, engine, raise_)`` hooks ``raise_()`` (which lifts
+    the peak to less than one slot above the margin) where the step takes its memory, and returns
+    the hook handle. Returns the final stats; the first step is bitwise against resident."""
     case = CASES["toy"]
     ref = case.build("adapter")
     off = copy.deepcopy(ref)
     mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
-    slot = mgr.stats()["slot_bytes"]
-    high = card["limit"] - 512 * MiB - slot // 2  # the activations leave less than one slot above the margin
-    first = next(m for m in off.modules() if m is mgr.engine.streamed[0].anchor)
-    # the first unit's module allocates the step's activations; the device's peak reading shows them
-    hook = first.register_forward_hook(lambda *a: card.__setitem__("peak", max(card["peak"], high)))
+    high = card["limit"] - 512 * MiB - mgr.stats()["slot_bytes"] // 2
+    hook = raise_peak_in(off, mgr.engine, lambda *a: card.__setitem__("peak", max(card["peak"], high)))
     want = train(case, ref, make_optimizer(ref), steps=1)
     opt = make_optimizer(off)
     got = []
@@ -154,35 +152,36 @@ def test_growth_sees_the_activations_when_the_loop_resets_the_peak_every_step(ca
     hook.remove()
     assert_traces_equal(want, got[0])
     st = mgr.stats()
+    mgr.remove()
+    return st
+
+
+def test_growth_sees_the_activations_when_the_loop_resets_the_peak_every_step(card: dict) -> None:
+    """A loop that logs each step's peak and resets the statistics (torch.cuda.reset_peak_memory_stats)
+    leaves a cycle start reading almost nothing; the activations, read at the uses in between, still
+    keep the growth out of the memory they take."""
+
+    def in_first_unit(off, engine, raise_):
+        # the first unit's module allocates the step's activations; the device's peak reading shows them
+        first = next(m for m in off.modules() if m is engine.streamed[0].anchor)
+        return first.register_forward_hook(raise_)
+
+    st = _grow_under_peak_resets(card, in_first_unit)
     assert st["plan"].get("growth_room_slots") == 0, st["plan"]
     assert st["slot_count"] == 3, "no slot grew into the activations' memory"
-    mgr.remove()
 
 
 def test_growth_sees_the_last_units_backward_when_the_loop_resets_the_peak(card: dict) -> None:
     """The backward of the last unit used runs after its use; a loop that resets the peak after the
     step would hide it from every use. The end of the backward pass reads the peak too."""
-    case = CASES["toy"]
-    ref = case.build("adapter")
-    off = copy.deepcopy(ref)
-    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
-    slot = mgr.stats()["slot_bytes"]
-    high = card["limit"] - 512 * MiB - slot // 2
-    # layers.1's adapter: backward reaches it after its last use of a unit (layers.2; layers.0 needs none)
-    adapter = next(p for p in off.parameters() if p.requires_grad)
-    hook = adapter.register_hook(lambda g: card.__setitem__("peak", max(card["peak"], high)))
-    want = train(case, ref, make_optimizer(ref), steps=1)
-    opt = make_optimizer(off)
-    got = []
-    for _ in range(7):
-        got.append(train(case, off, opt, steps=1))
-        card["peak"] = 0  # the loop logs the step's peak and resets the statistics
-    hook.remove()
-    assert_traces_equal(want, got[0])
-    st = mgr.stats()
+
+    def in_first_adapters_grad(off, engine, raise_):
+        # layers.1's adapter: backward reaches it after its last use of a unit (layers.2; layers.0 needs none)
+        return next(p for p in off.parameters() if p.requires_grad).register_hook(raise_)
+
+    st = _grow_under_peak_resets(card, in_first_adapters_grad)
     assert st["plan"].get("growth_room_slots") == 0, st["plan"]
     assert st["slot_count"] == 3, "no slot grew into the memory the last unit's backward takes"
-    mgr.remove()
 
 
 def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, monkeypatch: pytest.MonkeyPatch) -> None:
