@@ -153,8 +153,10 @@ class Replanner:
             # the first decision read one cycle; one slow cycle (a host pause) can show no stall
             self.retry_at = 0
             m = self.measure()
-            if m is None or not self._grow(m, k):
-                self.active = self.retry_at != 0 or self.before is not None
+            if m is None:
+                self.active = False
+            else:
+                self._grow(m, k)  # it says whether to stay active (another retry, a growth to judge)
         elif self.before is not None and k == self.grown_at + 2:
             # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
             # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
