@@ -79,16 +79,20 @@ class OffloadHandle:
             plan=dict(e.prediction),
         )
         out.update(e.store.stats())
-        h2d_ms = stall_ms = compute_ms = 0.0
+        h2d_ms = stall_ms = compute_ms = timed_h2d_ms = 0.0
+        # Once the plan is settled one step in timing_every is timed, its readings weighted by the
+        # steps they stand for (stats.TimingLog): the totals are estimates over every step up to the
+        # last timed one, and the copy rate is the timed bytes over the timed copies' ms.
+        out["timed_steps"] = c.timed_steps
         if e.timing is not None:
             e.timing.resolve(block=True)
+            timed_h2d_ms = e.timing.timed_ms.get("h2d", 0.0)
             h2d_ms = e.timing.total_ms.get("h2d", 0.0)
             stall_ms = e.timing.total_ms.get("stall", 0.0)
             # compute: the spans within a cycle (a use to the next), each counted for the unit used first
             compute_ms = e.timing.total_ms.get("compute", 0.0)
             for info, u in zip(out["units"], e.units):
                 info.update({f"{k}_ms": v for k, v in e.timing.per_unit_ms.get(u.uid, {}).items()})
-        timed_bytes = c.h2d_bytes if e.timing is not None else 0
         if e.timing is not None and e.timing.counts.get("cycle"):
             # A cycle is root forward to root forward: a training step, or one inference call.
             out["measured_step_ms"] = e.timing.total_ms["cycle"] / e.timing.counts["cycle"]
@@ -96,7 +100,7 @@ class OffloadHandle:
         out["h2d_ms"] = h2d_ms
         out["stall_ms"] = stall_ms
         out["compute_ms"] = compute_ms
-        out["h2d_gbps"] = (timed_bytes / 1e9) / (h2d_ms / 1e3) if h2d_ms > 0 else 0.0
+        out["h2d_gbps"] = (c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0
         if self.trainer is not None:
             out.update(self.trainer.stats())
         return out

@@ -110,6 +110,9 @@ class OffloadConfig:
     use_streams: bool = True
     # Time units and stalls with CUDA events (cheap; resolved lazily).
     record_timings: bool = True
+    # Once the plan is settled, time one step in this many (1: every step). Every step is timed while
+    # the planner decides; stats() scales the sampled totals to all steps.
+    timing_every: int = 8
     # Test-only: sleep a random 0..N ms on the host inside hooks, to shake out races.
     debug_host_delay_ms: float = 0.0
 
@@ -128,6 +131,8 @@ class OffloadConfig:
         self.vram_budget = parse_bytes(self.vram_budget, key="vram_budget")
         self.max_memory = parse_bytes(self.max_memory, key="max_memory")
         self.vram_margin = parse_bytes(self.vram_margin, key="vram_margin")
+        if not isinstance(self.timing_every, int) or isinstance(self.timing_every, bool) or self.timing_every < 1:
+            raise OffloadConfigError(f"timing_every: must be a whole number >= 1, got {self.timing_every!r}")
         if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
                                           or self.prefetch < 0):
             raise OffloadConfigError(f"prefetch: must be a whole number >= 0 (or None: grow from free VRAM), got {self.prefetch!r}")

@@ -85,7 +85,8 @@ class OffloadEngine:
         self._saved_hooks: Any = None
         self._handles: list[Any] = []
         self._cycle_callbacks: list[Callable[[], None]] = []
-        self._cycle_start: Any = None
+        self._cycle_start: Any = None  # a timed cycle's start event
+        self._last_timed = 0  # the last timed cycle
         self._span_from: tuple | None = None  # (trace position, event, cycle, uid) of the last use's start
         self._removed = False
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
@@ -240,11 +241,10 @@ class OffloadEngine:
         self._root_depth += 1
         if self._root_depth > 1:
             return
-        if self.timing is not None:
-            # Each pair owns its two events: the pool recycles events once a pair is resolved.
-            if self._cycle_start is not None:
-                self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark())
-            self._cycle_start = self.transfer.mark()
+        if self.timing is not None and self._cycle_start is not None:
+            # the last cycle was timed: root forward to root forward (each pair owns its two events)
+            self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark())
+            self._cycle_start = None
         with self.lock:
             self.counters.steps += 1
             relearned = self.schedule.relearned
@@ -254,12 +254,32 @@ class OffloadEngine:
                 self.store.plan(list(self.schedule.trace))
             for cb in self._cycle_callbacks:
                 cb()
-            self.replanner.at_cycle_start()  # may raise VramBudgetError; _root_post still runs
+            try:
+                self.replanner.at_cycle_start()  # may raise VramBudgetError; _root_post still runs
+            finally:
+                self._time_this_cycle()
             self._prefetch_first()
         if torch.is_grad_enabled() and self.streamed:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved,
                                                                      self.binder.unpack_saved)
             self._saved_hooks.__enter__()
+
+    TIMED_FIRST = 3  # the first cycles are always timed, so stats() has readings from the start
+
+    def _time_this_cycle(self) -> None:
+        """Whether this cycle's uses and copies are timed: every one while the planner decides (it
+        reads them), then one in ``timing_every`` (on a host-bound step the events are ~1% of it)."""
+        k = self.schedule.cycles
+        timed = self.timing is not None and (
+            self.replanner.active or k <= self.TIMED_FIRST or k % self.config.timing_every == 0)
+        self.transfer.timed = timed
+        if not timed:
+            self._span_from = None  # no span reaches across an untimed cycle
+            return
+        self.counters.timed_steps += 1
+        self.timing.weight = max(k - self._last_timed, 1)  # this cycle and the untimed ones since the last timed
+        self._last_timed = k
+        self._cycle_start = self.transfer.mark()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_depth = max(self._root_depth - 1, 0)
@@ -286,7 +306,7 @@ class OffloadEngine:
             if self.replanner.active:
                 self.replanner.sample()
             new_use = self.schedule.observe_new(u.uid)
-            timed = self.timing is not None and new_use
+            timed = self.transfer.timed and new_use
             arrive = self.transfer.mark() if timed else None
             slot = self.ring.lookup(u.uid)
             if slot is None:

@@ -59,10 +59,10 @@ class Replanner:
         if e.timing is None or not e.schedule.trace:
             return None
         e.timing.resolve(block=True)
-        h2d_ms = e.timing.total_ms.get("h2d", 0.0)
-        if h2d_ms <= 0 or e.counters.h2d_bytes <= 0:
+        h2d_ms = e.timing.timed_ms.get("h2d", 0.0)
+        if h2d_ms <= 0 or e.counters.timed_h2d_bytes <= 0:
             return None
-        per_ms = e.counters.h2d_bytes / h2d_ms
+        per_ms = e.counters.timed_h2d_bytes / h2d_ms
         trace = tuple(e.schedule.trace)
         ring = e.ring
         fixed = e.resident_device_bytes()

@@ -42,6 +42,7 @@ class HostEvent:
 class Counters:
     h2d_bytes: int = 0
     h2d_count: int = 0
+    timed_h2d_bytes: int = 0  # bytes of the copies a timed step made (the rate's numerator)
     d2h_bytes: int = 0
     d2h_count: int = 0
     cache_hits: int = 0
@@ -50,16 +51,24 @@ class Counters:
     prefetch_issued: int = 0
     prefetch_misses: int = 0
     steps: int = 0
+    timed_steps: int = 0  # steps whose uses and copies were timed (every one while planning, then 1 in timing_every)
     saved_refs: int = 0  # autograd-saved weight views replaced by references
     refetches: int = 0  # backward uses that had to load a unit again
 
 
 @dataclass
 class TimingLog:
-    """Pending (kind, uid, start, end) event pairs, and their resolved totals in ms."""
+    """Pending (kind, uid, start, end) event pairs, and their resolved totals in ms.
+
+    A settled engine times one step in a few: each pair then carries ``weight``, the steps its
+    reading stands for (itself and the untimed ones since the last timed step), and ``total_ms``,
+    ``per_unit_ms`` and ``counts`` are weighted: estimates over every step. ``timed_ms`` keeps the
+    readings themselves (a copy rate is timed bytes over timed ms); ``last_ms`` and ``cycle_ms`` too.
+    """
 
     pending: list = field(default_factory=list)
     total_ms: dict = field(default_factory=lambda: defaultdict(float))
+    timed_ms: dict = field(default_factory=lambda: defaultdict(float))
     per_unit_ms: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     counts: dict = field(default_factory=lambda: defaultdict(int))
     last_ms: dict = field(default_factory=dict)  # (kind, key) -> the latest resolved value
@@ -67,6 +76,7 @@ class TimingLog:
     _free: list = field(default_factory=list)
     backlog: int = 4096
     host: bool = False  # CPU path: host clock stamps instead of CUDA events
+    weight: int = 1  # the steps a pair added now stands for
 
     def event(self) -> "torch.cuda.Event | HostEvent":
         if self._free:
@@ -78,7 +88,7 @@ class TimingLog:
         """A pair to resolve later. ``own_end=False``: ``end`` is also the start of a pair added
         after this one, and that pair gives it back to the pool (one event, two readings).
         ``compute``: a unit the pair's time also counts for, as its compute."""
-        self.pending.append((kind, uid, start, end, cycle, own_end, compute))
+        self.pending.append((kind, uid, start, end, cycle, own_end, compute, self.weight))
         if len(self.pending) > self.backlog:
             self.resolve(block=False)
 
@@ -88,21 +98,22 @@ class TimingLog:
         that reads it has been resolved."""
         done = 0
         try:
-            for kind, uid, start, end, cycle, own_end, compute in self.pending:
+            for kind, uid, start, end, cycle, own_end, compute, w in self.pending:
                 if block:
                     end.synchronize()
                 elif not end.query():
                     break
                 ms = start.elapsed_time(end)
-                self.total_ms[kind] += ms
-                self.per_unit_ms[uid][kind] += ms
+                self.timed_ms[kind] += ms
+                self.total_ms[kind] += ms * w
+                self.per_unit_ms[uid][kind] += ms * w
                 self.last_ms[(kind, uid)] = ms
-                self.counts[kind] += 1
+                self.counts[kind] += w
                 if cycle is not None:
                     self.cycle_ms[(kind, cycle)] += ms
                 if compute is not None:
-                    self.total_ms["compute"] += ms
-                    self.per_unit_ms[compute]["compute"] += ms
+                    self.total_ms["compute"] += ms * w
+                    self.per_unit_ms[compute]["compute"] += ms * w
                 self._free.append(start)
                 if own_end:
                     self._free.append(end)
@@ -113,6 +124,7 @@ class TimingLog:
     def reset(self) -> None:
         self.pending.clear()
         self.total_ms.clear()
+        self.timed_ms.clear()
         self.per_unit_ms.clear()
         self.counts.clear()
         self.last_ms.clear()

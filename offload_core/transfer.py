@@ -64,6 +64,7 @@ class Transfer:
         self.is_cuda = device.type == "cuda"
         self.use_streams = bool(use_streams and self.is_cuda)
         self.timing = timing
+        self.timed = timing is not None  # the engine turns it off for the cycles it does not time
         self.counters = counters
         self.widener = widener
         self._raw_free: list[Any] = [None, None]
@@ -116,6 +117,8 @@ class Transfer:
             read = None
         self.counters.h2d_bytes += u.store_nbytes
         self.counters.h2d_count += 1
+        if self.timed:
+            self.counters.timed_h2d_bytes += u.store_nbytes
         return read
 
     def _load_async(self, u: Unit, slot: Slot, src: torch.Tensor) -> Any:
@@ -142,7 +145,7 @@ class Transfer:
         else:
             dst = slot.buf[: u.nbytes]
         with _On(h2d, compute):
-            clock = self.clock
+            clock = self.clock if self.timed else None
             a = clock.start(h2d) if clock is not None else None
             dst.copy_(src, non_blocking=True)
             if a is not None:
@@ -163,12 +166,12 @@ class Transfer:
 
     def _load_sync(self, u: Unit, slot: Slot, src: torch.Tensor) -> None:
         # Serial on purpose (streams off): the host waits for each copy before going on.
-        clock = self.clock
+        clock = self.clock if self.timed else None
         stream = self.compute_stream() if self.is_cuda else None
         if clock is not None:
             a = clock.start(stream)
         else:
-            a = self.mark() if self.timing is not None else None
+            a = self.mark() if self.timed else None
         converted = u.converted
         dst = self.widener.raw[0][: u.store_nbytes] if converted else slot.buf[: u.nbytes]
         dst.copy_(src, non_blocking=stream is not None)

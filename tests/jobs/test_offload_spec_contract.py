@@ -13,6 +13,7 @@ from jobs.spec import OffloadSpec
 NOT_IN_SPEC = {
     "debug_host_delay_ms": "test-only race shaker",
     "record_timings": "bench-only switch",
+    "timing_every": "bench-only switch (how often a settled engine times a step)",
     "use_streams": "bench-only serial baseline",
     "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
     "weights": "set by the runners: model.path's transformer is read into the engine",

@@ -153,7 +153,7 @@ def test_compute_ms_leaves_out_the_time_between_calls_of_any_length() -> None:
             return x
 
     model = Half().requires_grad_(False)
-    handle = enable_offload(model, target_device="cpu", offload_granularity="block")
+    handle = enable_offload(model, target_device="cpu", offload_granularity="block", timing_every=1)
     x = torch.randn(2, 64)
     with torch.no_grad():
         for _ in range(3):
@@ -168,6 +168,35 @@ def test_compute_ms_leaves_out_the_time_between_calls_of_any_length() -> None:
         calls_ms = (time.perf_counter() - t0) * 1e3 - 4 * 200
     assert before > 0 and all(b >= a for a, b in zip([before] + totals, totals)), (before, totals)
     assert totals[-1] - before <= calls_ms, (totals[-1] - before, calls_ms)  # no pause counted
+    handle.remove()
+
+
+def test_a_settled_engine_times_one_step_in_timing_every() -> None:
+    """The first three steps (and every step while the planner decides) are timed, then one in
+    timing_every: the untimed ones record nothing, and each timed one's readings stand for it and
+    the untimed steps before it."""
+    case = CASES["flux"]
+    ref_model = case.build("frozen")
+    model = copy.deepcopy(ref_model)
+    handle = enable_offload(model, target_device="cpu", offload_granularity="block", timing_every=4)
+    e = handle.engine
+    seeds = tuple(range(12))
+    want = infer(case, ref_model, seeds=seeds)
+    got, stall, timed = [], [], []
+    for s in seeds:
+        got += infer(case, model, seeds=(s,))
+        st = handle.stats()
+        stall.append(st["stall_ms"])
+        timed.append(st["timed_steps"])
+        assert not e.timing.pending
+    assert_bitwise(want, got, "output")
+    # steps 1-4 timed (the first three, then 4 % 4), then 8 and 12
+    assert timed == [1, 2, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+    assert stall[4:7] == [stall[3]] * 3 and stall[8:11] == [stall[7]] * 3  # untimed steps read nothing
+    uses = len(e.schedule.trace)
+    assert e.timing.counts["stall"] == 12 * uses  # 1+1+1+1 + 4 + 4 steps' worth of uses
+    assert e.timing.counts["cycle"] == 8  # step 12's cycle ends with the next call
+    assert st["h2d_gbps"] > 0 and st["h2d_ms"] > 0
     handle.remove()
 
 

@@ -50,3 +50,16 @@ def test_a_non_blocking_resolve_stops_at_the_first_pair_not_done() -> None:
     log.resolve(block=True)
     assert log.total_ms == {"h2d": 1.0, "stall": 3.0} and not log.pending
     assert len(log._free) == 4
+
+
+def test_a_weighted_pair_stands_for_the_untimed_steps_but_its_reading_is_kept_as_is() -> None:
+    log = TimingLog()
+    a, b, c, d = FakeEvent(0.0), FakeEvent(2.0), FakeEvent(10.0), FakeEvent(13.0)
+    log.add("h2d", 0, a, b)  # a step timed while every step is (weight 1)
+    log.weight = 4  # then one step in four: this reading stands for four steps
+    log.add("h2d", 0, c, d)
+    a.done = b.done = c.done = d.done = True
+    log.resolve(block=False)
+    assert log.timed_ms["h2d"] == 5.0  # what the events read: the copy rate's denominator
+    assert log.total_ms["h2d"] == 2.0 + 4 * 3.0 and log.per_unit_ms[0]["h2d"] == 14.0  # estimates over 5 steps
+    assert log.counts["h2d"] == 5 and log.last_ms[("h2d", 0)] == 3.0
