@@ -160,7 +160,8 @@ def format_notes(rows: list[dict[str, Any]]) -> list[str]:
         prof, eng = r.get("profiler"), r.get("profiled_engine")
         if prof and eng and prof.get("h2d_bytes"):
             bits.append(f"engine / profiler over one step: H2D bytes {eng['h2d_bytes'] / prof['h2d_bytes']:.4f}"
-                        + (f", H2D ms {eng['h2d_ms'] / prof['h2d_ms']:.4f}" if prof.get("h2d_ms") else ""))
+                        + (f", H2D ms {eng['h2d_ms'] / prof['h2d_ms']:.4f}" if prof.get("h2d_ms") and eng.get("h2d_ms") is not None
+                           else ", H2D ms not timed that step"))
         elif prof and r.get("h2d_source") == "engine" and r.get("h2d_bytes_per_step"):
             bits.append(f"engine H2D counter / profiler = {r['h2d_bytes_per_step'] / max(prof['h2d_bytes'], 1):.4f}")
         if r.get("vram_after_teardown_bytes") and r.get("vram_baseline_bytes") is not None and r["vram_after_teardown_bytes"] > r["vram_baseline_bytes"]:

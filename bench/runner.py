@@ -47,7 +47,9 @@ def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
             sess.after_backward()
         sess.optimizer.step()
         sess.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # clone: mse_loss's 0-d result keeps its whole elementwise buffer as storage (torch 2.11-2.13),
+        # so keeping the loss of every timed step would hold that buffer per step on the device
+        return loss.detach().clone()
 
     return train
 
@@ -207,10 +209,13 @@ def run_variant(
             if copies is not None:
                 row["profiler"] = copies
                 if before and after and isinstance(after.get("h2d_ms"), (int, float)):
-                    # the engine's own counters over exactly the profiled step
+                    # the engine's own counters over exactly the profiled step (its copy time only
+                    # when the engine timed that step: a settled engine times one in timing_every)
+                    timed = after.get("timed_steps", 1) != before.get("timed_steps", 0)
                     row["profiled_engine"] = {
                         "h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
-                        "h2d_ms": after["h2d_ms"] - before["h2d_ms"],
+                        "h2d_ms": after.get("timed_h2d_ms", after["h2d_ms"]) - before.get("timed_h2d_ms", before["h2d_ms"])
+                        if timed else None,
                     }
                 if row.get("h2d_bytes_per_step") is None:
                     row["h2d_bytes_per_step"] = copies["h2d_bytes"]

@@ -98,6 +98,7 @@ class OffloadHandle:
             out["measured_step_ms"] = e.timing.total_ms["cycle"] / e.timing.counts["cycle"]
             out["predicted_step_ms"] = self._predict()
         out["h2d_ms"] = h2d_ms
+        out["timed_h2d_ms"] = timed_h2d_ms  # what the timed copies' events read, unweighted
         out["stall_ms"] = stall_ms
         out["compute_ms"] = compute_ms
         out["h2d_gbps"] = (c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0

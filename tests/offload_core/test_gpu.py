@@ -31,7 +31,7 @@ def _train_step(model, x, target, opt, mgr=None) -> torch.Tensor:
         mgr.after_backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss.detach().clone()  # mse_loss's scalar keeps its whole elementwise buffer as storage
 
 
 def _fresh() -> None:

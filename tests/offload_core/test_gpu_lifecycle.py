@@ -86,7 +86,7 @@ def _losses(model: nn.Module, steps: int, d: int, tokens: int, mgr=None, peaks: 
             mgr.after_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append(loss.detach())
+        out.append(loss.detach().clone())  # mse_loss's scalar keeps its (1, tokens, d) fp32 buffer as storage
         if peaks is not None:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
