@@ -21,10 +21,12 @@ parameters at a time (cpu_step.py: a twin of that optimizer sharing its state, s
   is stepped on the worker as soon as its unit's last gradients of the step land, while backward goes on;
   ``optimizer.step()`` then only waits for the worker. The first step shows how many backward passes
   a step accumulates and whether anything changes the gradients between ``after_backward()`` and
-  ``step()``: clipping (``clip_grad_norm_``) or unscaling does, and then every step stays inside
+  ``step()``: clipping (``clip_grad_norm_``) or unscaling (``GradScaler``, whose unscale bumps no
+  version: a fingerprint of each gradient is compared too) does, and then every step stays inside
   ``step()``, on the clipped gradients. A change noticed later, after a step already ran, raises
   ``OptimizerOverlapError`` rather than go unapplied; so does a gradient arriving after its
-  parameter's step. LR schedulers need nothing: each step reads the group's values as it runs.
+  parameter's step, and an overlapped step whose ``optimizer.step()`` was skipped (a GradScaler on an
+  inf). LR schedulers need nothing: each step reads the group's values as it runs.
 """
 
 from __future__ import annotations
@@ -43,9 +45,31 @@ from .hostmem import HostBuffer
 __all__ = ["OptimizerOffload"]
 
 
+_SAMPLED = 64  # gradient elements kept at after_backward() to see a change at step()
+
+
+def _fingerprint(g: torch.Tensor, whole: bool) -> tuple:
+    """What after_backward() gave the optimizer, to compare at step(): evenly spaced elements (a
+    rescale or a clip changes every nonzero one) and, while the overlap is being decided, the whole
+    gradient's float64 sum too (in case the sampled elements are all zero). GradScaler's unscale_
+    changes gradients in place without bumping their version, so the version alone cannot tell."""
+    flat = g.reshape(-1)
+    sampled = flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED].clone()
+    return sampled, (torch.sum(flat, dtype=torch.float64) if whole else None)
+
+
+def _same(g: torch.Tensor, fp: tuple) -> bool:
+    sampled, total = fp
+    flat = g.reshape(-1)
+    if not torch.equal(flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED], sampled):
+        return False
+    return total is None or bool(torch.sum(flat, dtype=torch.float64) == total)
+
+
 class _Trainable:
     __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "grad_in", "issued", "landed",
-                 "stepped", "hook", "opt", "group", "bucket", "twin_param", "direct", "separate", "given", "version")
+                 "stepped", "hook", "opt", "group", "bucket", "twin_param", "direct", "separate", "given", "version",
+                 "fp")
 
     def __init__(self, **kw: Any) -> None:
         self.grad_in: str | None = None  # where this step's gradient is: None, "staging" or "acc"
@@ -53,6 +77,7 @@ class _Trainable:
         self.stepped = False
         self.opt = self.group = self.bucket = self.twin_param = self.given = None
         self.version = 0
+        self.fp: tuple | None = None  # the gradient's fingerprint at after_backward() (_fingerprint)
         self.direct = False  # the gradient may stay in its staging buffer (fp32, one per step)
         for k, v in kw.items():
             setattr(self, k, v)
@@ -232,16 +257,22 @@ class OptimizerOffload:
     # ------------------------------------------------------------------ step boundaries
     def after_backward(self) -> None:
         self.worker.wait()
+        # Fingerprints only while a change would matter: the overlap is on, or may still be turned on.
+        watch = self.overlap_setting is not False
+        whole = watch and not self.overlap and self.steps == 0  # deciding: the sum too (a full pass, once)
         for it in self.items:
             it.param.data = it.master
             g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
             it.param.grad = g
             it.given, it.version = g, (g._version if g is not None else 0)
+            it.fp = _fingerprint(g, whole) if watch and g is not None else None
         self._on_host = True
 
     def _changed(self, it: _Trainable) -> bool:
         g = it.param.grad
-        return g is not it.given or (g is not None and g._version != it.version)
+        if g is not it.given or (g is not None and g._version != it.version):
+            return True
+        return g is not None and it.fp is not None and not _same(g, it.fp)
 
     def _before_step(self, opt: torch.optim.Optimizer) -> None:
         if not self.stepper.adopt(opt):
@@ -304,11 +335,21 @@ class OptimizerOffload:
         self.worker.wait()
         if not self._on_host:
             return
+        skipped = [it.name for it in self.items if it.stepped and it.param.grad is None]
+        if skipped:
+            raise OptimizerOverlapError(
+                f"{skipped[0]}: its step ran during backward, but optimizer.step() did not run and the gradients "
+                "were then discarded (GradScaler skipping a step on an inf or NaN gradient?); the update cannot be "
+                "taken back: pass overlap_optimizer_step=False to the manager")
         for it in self.items:
             p = it.param
             g = p.grad
             if g is None:
+                # discarded (zero_grad) after a step, or a step skipped from the start (GradScaler
+                # on an inf): the next backward starts this step's count again
                 it.grad_in = None
+                it.issued = it.landed = 0
+                it.stepped = False
             elif g is not it.acc:
                 it.acc.copy_(g)  # a gradient kept across the step (no zero_grad) goes on accumulating
                 it.grad_in = "acc"

@@ -269,3 +269,73 @@ def test_optimizer_state_dict_holds_the_streamed_parameters_state() -> None:
     assert all(float(s["step"]) == 3 for s in sd["state"].values())
     assert all(s["exp_avg"].device.type == "cpu" for s in sd["state"].values())
     mgr.remove()
+
+
+# ---------------------------------------------------------------- torch.amp.GradScaler
+def _scaled_side_by_side(steps: int, inf_at: tuple[int, ...] = (), sgd: bool = False, scale_from: int = 0,
+                         overlap=None) -> dict:
+    """Resident and offloaded toy in lockstep under a GradScaler (CPU): scale(loss).backward(),
+    after_backward(), scaler.step(opt), scaler.update(). A step in ``inf_at`` has an infinite loss, so
+    the scaler skips its optimizer step; before ``scale_from`` the loop runs without a scaler."""
+    case = CASES["toy"]
+    ref = case.build("full")
+    off = copy.deepcopy(ref)
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.05) if sgd else make_optimizer(m)
+
+    opt_r, opt_o = make(ref), make(off)
+    extra = {} if overlap is None else {"overlap_optimizer_step": overlap}
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False, **extra)
+    scalers = {False: torch.amp.GradScaler("cpu", init_scale=2.0**12), True: torch.amp.GradScaler("cpu", init_scale=2.0**12)}
+    try:
+        for step in range(steps):
+            for model, opt, offloaded in ((ref, opt_r, False), (off, opt_o, True)):
+                seed = 3000 + step
+                loss = case.loss(case.forward(model, case.make_inputs(seed)), seed)
+                if step in inf_at:
+                    loss = loss * float("inf")
+                sc = scalers[offloaded] if step >= scale_from else None
+                (sc.scale(loss) if sc else loss).backward()
+                if offloaded:
+                    mgr.after_backward()
+                if sc:
+                    sc.step(opt)
+                    sc.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+        assert scalers[False].get_scale() == scalers[True].get_scale()
+        for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+            assert torch.equal(a, b), f"{n} differs after training"
+        return mgr.stats()
+    finally:
+        mgr.remove()
+
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
+def test_grad_scaler_steps_on_unscaled_gradients_and_skips_inf_steps(sgd: bool) -> None:
+    # GradScaler's unscale_ changes the gradients in place without bumping their version: the first
+    # step must still see it, or the steps overlapped with backward would use the scaled gradients
+    # (SGD: 4096x the update) and step on the inf ones the scaler skips.
+    stats = _scaled_side_by_side(7, inf_at=(3,), sgd=sgd)
+    assert not stats["optimizer_step_overlapped"] and "change" in stats["optimizer_overlap_note"]
+
+
+def test_grad_scaler_with_an_inf_in_the_first_step() -> None:
+    # the scaler skips step 0's optimizer step: the decision waits for the next step, and the count
+    # of backward passes per step starts again
+    stats = _scaled_side_by_side(5, inf_at=(0,))
+    assert not stats["optimizer_step_overlapped"] and stats["gradients_per_step"] == 1
+
+
+def test_grad_scaler_that_starts_after_overlap_began_raises() -> None:
+    with pytest.raises(OptimizerOverlapError, match="overlap_optimizer_step=False"):
+        _scaled_side_by_side(5, scale_from=3)
+
+
+def test_an_overlapped_step_the_scaler_then_skips_raises() -> None:
+    # overlap on, then a scaled step with an inf: the engine already stepped during backward and the
+    # scaler skips optimizer.step(); the next forward says so instead of training on from NaN
+    with pytest.raises(OptimizerOverlapError, match="GradScaler|overlap_optimizer_step=False"):
+        _scaled_side_by_side(6, scale_from=3, inf_at=(3,))
