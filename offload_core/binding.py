@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .errors import FrozenWeightError
 from .slots import Slot
 from .units import Unit
 
@@ -90,13 +91,17 @@ class Binder:
 
     def _spec(self, u: Unit) -> list:
         """What binding u needs per tensor, worked out once (layouts are fixed after setup):
-        (tensor slot, module, is_param, attr, dtype, shape, stride, element offset, placeholder or None).
-        A trainable tensor's placeholder (its shape at stride 0) is kept: unbind gives it back."""
+        (tensor slot, module, is_param, attr, dtype, shape, stride, element offset, placeholder or None,
+        frozen). A trainable tensor's placeholder (its shape at stride 0) is kept: unbind gives it back.
+        frozen: a parameter that did not require grad at setup (in a model not taken for inference),
+        which must not start to: its plain view would get no gradient, silently."""
         spec = self._specs.get(u.uid)
         if spec is None:
+            inference = self.e.treat_as_inference
             spec = self._specs[u.uid] = [
                 (ts, ts.module, ts.is_param, ts.attr, ts.dtype, tuple(ts.shape), ts.contiguous_stride,
-                 ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None)
+                 ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
+                 ts.is_param and not ts.trainable and not inference)
                 for ts in u.tensors]
         return spec
 
@@ -106,7 +111,7 @@ class Binder:
         add = bound.append
         typed = slot.typed
         base_dtype = base = None
-        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph in self._spec(u):
+        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen in self._spec(u):
             if dtype is not base_dtype:
                 base_dtype, base = dtype, typed(dtype)
             view = base.as_strided(shape, stride, eoff)
@@ -116,11 +121,21 @@ class Binder:
                 orig.data = view
                 add((table, attr, orig, None, ph))
             else:
+                if frozen and orig.requires_grad:
+                    self.bound[u.uid] = bound
+                    self.unbind(u)  # what this bind swapped so far goes back
+                    raise FrozenWeightError(
+                        f"{self._name_of(orig)}: this weight was frozen when offloading began, so it streams as a "
+                        "frozen view and would get no gradient; it now requires grad. Call remove(), change what "
+                        "trains, then enable offloading again")
                 table[attr] = view
                 # A buffer's version tells unbind whether it was updated in place; inference tensors
                 # keep none (None: ask the module). A frozen parameter needs neither.
                 add((table, attr, orig, view, None if is_param or view.is_inference() else view._version))
         self.bound[u.uid] = bound
+
+    def _name_of(self, t: torch.Tensor) -> str:
+        return next((n for n, p in self.e.model.named_parameters(remove_duplicate=False) if p is t), "a parameter")
 
     def unbind(self, u: Unit) -> None:
         bound = self.bound.pop(u.uid, None)

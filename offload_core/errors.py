@@ -8,6 +8,7 @@
     ├── DeviceUnavailableError    target_device names a device this machine lacks
     ├── OptimizerMismatchError    optimizer offload with a trainable parameter the optimizer lacks
     ├── OptimizerOverlapError     gradients changed after a step that already ran during backward
+    ├── FrozenWeightError         a weight streamed as frozen was set to require grad after offloading began
     ├── CheckpointMismatchError   weights=: the checkpoint lacks a parameter of the model, or has another shape
     └── ShardError                a missing, corrupt or mismatched shard directory (or checkpoint file)
 
@@ -28,6 +29,7 @@ __all__ = [
     "DeviceUnavailableError",
     "OptimizerMismatchError",
     "OptimizerOverlapError",
+    "FrozenWeightError",
     "CheckpointMismatchError",
     "ShardError",
 ]
@@ -63,6 +65,11 @@ class OptimizerMismatchError(OffloadError, ValueError):
 
 class OptimizerOverlapError(OffloadError, RuntimeError):
     """A gradient was changed (clipped, unscaled) or added after its step already ran during backward."""
+
+
+class FrozenWeightError(OffloadError, RuntimeError):
+    """A parameter frozen when offloading began (so streamed as a frozen view, which gets no gradient)
+    now requires grad; remove() and enable offloading again after changing what trains."""
 
 
 class CheckpointMismatchError(OffloadError, ValueError):

@@ -7,6 +7,7 @@ import torch
 
 from offload_core import OffloadTrainingManager, enable_offload
 from offload_core.errors import (
+    FrozenWeightError,
     DeviceUnavailableError,
     NotAModuleError,
     OffloadConfigError,
@@ -113,3 +114,24 @@ def test_error_at_setup_leaves_a_working_model() -> None:
     handle = enable_offload(model, target_device="cpu", offload_granularity="leaf")
     assert_bitwise(infer(case, ref_model), infer(case, model), "output after a failed then a good setup")
     handle.remove()
+
+
+def test_unfreezing_a_streamed_weight_after_offloading_raises_and_leaves_the_model_intact() -> None:
+    # The engine streams weights frozen at setup as plain views, which get no gradient: a weight the
+    # user unfreezes afterwards would silently not train. It raises, naming it, before any compute.
+    import copy
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    ref[0].requires_grad_(False)  # frozen at setup; the rest train (resident)
+    off = copy.deepcopy(ref)
+    handle = enable_offload(off, target_device="cpu", offload_granularity="leaf")
+    x = torch.randn(2, 16)
+    off[0].weight.requires_grad_(True)
+    with pytest.raises(FrozenWeightError, match=r"^0\.weight: .*remove\(\)"):
+        off(x)
+    assert off[0].weight.numel() == 0 and off[0].bias.numel() == 0  # placeholders again, nothing left bound
+    off[0].weight.requires_grad_(False)
+    assert_bitwise([ref(x)], [off(x)], "output after the error")
+    handle.remove()
+    assert_state_equal(snapshot(ref), off)
