@@ -36,8 +36,8 @@ class OffloadHandle:
             out["vram_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
         else:
             out["vram_allocated_bytes"] = out["vram_reserved_bytes"] = out["vram_peak_bytes"] = 0
-        streamed = sum(u.nbytes for u in e.streamed if not u.sticky)
-        sticky = sum(u.nbytes for u in e.streamed if u.sticky)
+        streamed = sum(u.nbytes for u in e.streamed if u.uid not in e.ring.sticky)
+        sticky = sum(u.nbytes for u in e.streamed if u.uid in e.ring.sticky)
         resident = sticky + sum(t.nbytes for u in e.units if not u.streamed for t in u.tensors)
         resident += sum(
             (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
@@ -74,7 +74,8 @@ class OffloadHandle:
             trace_relearned=e.schedule.relearned,
             setup_seconds=e.setup_seconds,
             num_units=len(e.units),
-            units=[{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed and not u.sticky, "sticky": u.sticky,
+            units=[{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed and u.uid not in e.ring.sticky,
+                    "sticky": u.uid in e.ring.sticky,
                     "stray": u.stray} for u in e.units],
             plan=dict(e.prediction),
         )

@@ -105,8 +105,6 @@ class OffloadEngine:
             offload_ratio=config.offload_ratio, vram_budget=config.vram_budget, depth=depth)
         for uid in residency.resident:
             self.units[uid].streamed = False
-        for uid in residency.sticky:
-            self.units[uid].sticky = True
         self.prediction: dict[str, Any] = dict(residency.info)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
         self.lossy = assign_storage(self.streamed, config.weight_dtype)
@@ -135,11 +133,12 @@ class OffloadEngine:
         if hasattr(self.store, "pin"):
             self.store.pin()
 
-        moving = [u for u in self.streamed if not u.sticky]
+        # Sticky units (a buffer of their own) are the ring's to know from here on: ring.sticky.
+        moving = [u for u in self.streamed if u.uid not in residency.sticky]
         slot_bytes = max((u.nbytes for u in moving), default=0)
         self.ring = SlotRing(slot_bytes, planner.ring_slots(depth, len(moving)), self.device)
         for u in self.streamed:
-            if u.sticky:
+            if u.uid in residency.sticky:
                 self.ring.add_sticky(u.uid, u.nbytes)
         self.schedule = Schedule(depth)
         # Units stored in another dtype land in a raw buffer and are widened into their slot.

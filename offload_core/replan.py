@@ -110,14 +110,12 @@ class Replanner:
         for uid in list(e.ring.sticky):
             if uid not in plan.sticky:
                 e.ring.drop_sticky(uid)
-                e.units[uid].sticky = False
         for uid in sorted(plan.sticky):
             if uid not in e.ring.sticky:
-                e.units[uid].sticky = True
                 e.ring.add_sticky(uid, e.units[uid].nbytes)
         e.ring.resize(plan.slots, keep=e.bound_uids())
         e.schedule.depth = plan.depth
-        moving = [u for u in e.streamed if not u.sticky]
+        moving = [u for u in e.streamed if u.uid not in e.ring.sticky]
         e.prediction.update(
             plan.info(), sticky_units=len(plan.sticky), streamed_units=len(moving),
             streamed_bytes=sum(u.nbytes for u in moving), sticky_bytes=sum(e.units[u].nbytes for u in plan.sticky),

@@ -92,7 +92,6 @@ class Unit:
     trainable: bool = False  # holds trainable params (only streamed with optimizer offload)
     widen_plan: tuple | None = None  # set by layout(): the one-kernel widening (see layout)
     stray: bool = False  # block/phase granularity: tensors outside the block lists (embedders, heads)
-    sticky: bool = False  # streamed, but the planner keeps it in a device buffer of its own
 
     @property
     def converted(self) -> bool:

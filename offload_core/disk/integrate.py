@@ -87,7 +87,6 @@ def _keep_unmatched_resident(units: Iterable[Unit], names: set[str]) -> None:
     for u in units:
         if u.streamed and base_name(u.name) not in names and all(ts.tensor().device.type != "meta" for ts in u.tensors):
             u.streamed = False
-            u.sticky = False
 
 
 def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[str], config: Any, *,
