@@ -48,22 +48,22 @@ __all__ = ["OptimizerOffload"]
 _SAMPLED = 64  # gradient elements kept at after_backward() to see a change at step()
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _fingerprint(g: torch.Tensor, whole: bool) -> tuple:
     """What after_backward() gave the optimizer, to compare at step(): evenly spaced elements (a
     rescale or a clip changes every nonzero one) and, while the overlap is being decided, the whole
     gradient's float64 sum too (in case the sampled elements are all zero). GradScaler's unscale_
-    changes gradients in place without bumping their version, so the version alone cannot tell."""
+    changes gradients in place without bumping their version, so the version alone cannot tell.
+    Kept as bits, so that a NaN left as it was compares equal."""
     flat = g.reshape(-1)
-    sampled = flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED].clone()
-    return sampled, (torch.sum(flat, dtype=torch.float64) if whole else None)
+    sampled = flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED].view(_BITS[g.element_size()]).clone()
+    return sampled, (torch.sum(flat, dtype=torch.float64).view(torch.int64) if whole else None)
 
 
 def _same(g: torch.Tensor, fp: tuple) -> bool:
-    sampled, total = fp
-    flat = g.reshape(-1)
-    if not torch.equal(flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED], sampled):
-        return False
-    return total is None or bool(torch.sum(flat, dtype=torch.float64) == total)
+    return all(torch.equal(a, b) for a, b in zip(_fingerprint(g, fp[1] is not None), fp) if b is not None)
 
 
 class _Trainable:
