@@ -93,9 +93,12 @@ class Unit:
     widen_plan: tuple | None = None  # set by layout(): the one-kernel widening (see layout)
     stray: bool = False  # block/phase granularity: tensors outside the block lists (embedders, heads)
 
+    _converted: bool = field(default=False, repr=False)  # set by layout(), after the storage dtypes
+
     @property
     def converted(self) -> bool:
-        return any(t.store_dtype is not None for t in self.tensors)
+        """Some tensor is stored in another dtype (read at every load: worked out once, in layout())."""
+        return self._converted
 
     def layout(self) -> None:
         """Offsets of every tensor in the slot (compute dtype) and in the slab (storage dtype).
@@ -107,6 +110,7 @@ class Unit:
         """
         self.widen_plan = None
         conv = [t for t in self.tensors if t.store_dtype is not None]
+        self._converted = bool(conv)
         pairs = {(t.dtype, t.store_dtype) for t in conv}
         if len(pairs) == 1:
             dtype, store = next(iter(pairs))
