@@ -37,7 +37,7 @@ from .arena import PinnedArena
 from .binding import Binder, set_data
 from .config import OffloadConfig
 from .device import resolve_device
-from .errors import LossyStorageWarning, NotAModuleError, OffloadConfigError
+from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, OffloadConfigError
 from .hostmem import trim_host_heap
 from .masters import Masters
 from .quant import UnitWidener, assign_storage, quantize
@@ -96,6 +96,8 @@ class OffloadEngine:
         if all_frozen is None:
             all_frozen = not stream_trainable and not any(not p.requires_grad for p in model.parameters())
         self.treat_as_inference = bool(all_frozen)
+        # taken for inference because every parameter required grad: a backward through it is a mistake
+        self._auto_inference = self.treat_as_inference and config.treat_as_inference is None
         self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.plan.units
@@ -299,6 +301,12 @@ class OffloadEngine:
 
     def use(self, u: Unit, backward: bool = False) -> Slot:
         """Make u's bytes available to the compute stream and return its slot."""
+        if self._auto_inference and torch._C._current_graph_task_id() != -1:
+            raise FrozenWeightError(
+                "model: every parameter required grad when offloading began, so enable_offload took it for inference "
+                "and streams its weights without gradients: this backward pass would leave them untrained. To train it, "
+                "use OffloadTrainingManager; for gradients with the weights frozen, call model.requires_grad_(False) "
+                "before enable_offload")
         self.delay()
         with self.lock:
             self._tick += 1

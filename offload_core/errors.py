@@ -68,8 +68,9 @@ class OptimizerOverlapError(OffloadError, RuntimeError):
 
 
 class FrozenWeightError(OffloadError, RuntimeError):
-    """A parameter frozen when offloading began (so streamed as a frozen view, which gets no gradient)
-    now requires grad; remove() and enable offloading again after changing what trains."""
+    """A weight streamed as a frozen view (which gets no gradient) would need one: a parameter frozen
+    when offloading began now requires grad, or a backward pass runs through a model enable_offload
+    took for inference (every parameter required grad)."""
 
 
 class CheckpointMismatchError(OffloadError, ValueError):

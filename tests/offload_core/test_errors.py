@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -135,3 +137,38 @@ def test_unfreezing_a_streamed_weight_after_offloading_raises_and_leaves_the_mod
     assert_bitwise([ref(x)], [off(x)], "output after the error")
     handle.remove()
     assert_state_equal(snapshot(ref), off)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+def test_training_a_model_taken_for_inference_raises_instead_of_leaving_its_weights_untrained(checkpointing: bool) -> None:
+    # Every parameter requires grad (as from_pretrained leaves them), so enable_offload takes the model
+    # for inference and streams its weights as frozen views. The embedders stay resident and still
+    # require grad, so a loss has a graph and backward would run, silently training only them.
+    case = CASES["flux"]
+    ref = case.build("full", checkpointing=checkpointing)
+    off = copy.deepcopy(ref)
+    # the embedders resident, as at real size (the tiny model's are too big a share of it)
+    handle = enable_offload(off, target_device="cpu", stray_resident_fraction=1.0)
+    assert handle.engine.treat_as_inference
+    out = case.forward(off, case.make_inputs(0))
+    assert out.requires_grad  # the resident embedders: the silent case
+    with pytest.raises(FrozenWeightError, match=r"^model: every parameter required grad .*OffloadTrainingManager"):
+        case.loss(out, 0).backward()
+    ref.eval()
+    off.eval()
+    with torch.no_grad():
+        assert_bitwise(infer(case, ref), infer(case, off), "inference after the error")
+    handle.remove()
+
+
+def test_gradients_through_a_model_set_to_inference_on_purpose_still_flow() -> None:
+    # treat_as_inference=True is a choice: gradients reach the resident tensors and the input
+    case = CASES["flux"]
+    ref = case.build("full")
+    off = copy.deepcopy(ref)
+    handle = enable_offload(off, target_device="cpu", treat_as_inference=True, stray_resident_fraction=1.0)
+    inputs = case.make_inputs(0)
+    case.loss(case.forward(off, inputs), 0).backward()
+    grads = [p.grad for p in off.parameters() if p.grad is not None]
+    assert grads and all(g.numel() for g in grads)
+    handle.remove()
