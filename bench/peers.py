@@ -32,6 +32,7 @@ class Session:
     after_backward: Callable[[], None] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    planning: Callable[[], bool] | None = None  # ours: the engine is still choosing its plan
 
 
 @dataclass
@@ -97,16 +98,18 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
             opt = wl.make_optimizer(model)
             mgr = OffloadTrainingManager(model, str(device), enable_optimizer_cpu_offload=True)
             return Session(model, mgr.remove, opt, mgr.stats, mgr.after_backward, run_cfg,
-                           note="as written: no optimizer argument, plain AdamW, defaults")
+                           note="as written: no optimizer argument, plain AdamW, defaults",
+                           planning=lambda: mgr.planning)
         if wl.optimizer_offload:
             # on the CPU master parameters, as DiffSynth does
             opt = wl.make_optimizer(model, fused=fused)
             mgr = _manager(model, device, opt, run_cfg)
             remove = getattr(mgr, "remove", None) or getattr(getattr(mgr, "handle", None), "remove", lambda: None)
-            return Session(model, remove, opt, mgr.stats, mgr.after_backward, run_cfg)
+            return Session(model, remove, opt, mgr.stats, mgr.after_backward, run_cfg,
+                           planning=lambda: bool(getattr(mgr, "planning", False)))
         h = enable_offload(model, target_device=str(device), **run_cfg)
         opt = wl.make_optimizer(model) if wl.train else None  # LoRA params stay resident
-        return Session(model, h.remove, opt, h.stats, None, run_cfg)
+        return Session(model, h.remove, opt, h.stats, None, run_cfg, planning=lambda: h.planning)
 
     return Variant(name, setup, "ours", cfg)
 

@@ -25,6 +25,12 @@ class OffloadHandle:
     def config(self) -> OffloadConfig:
         return self.engine.config
 
+    @property
+    def planning(self) -> bool:
+        """The engine is still measuring its first cycles and choosing its plan (ring depth, sticky
+        units, growth into free memory): until this turns False, step times are not yet its own."""
+        return self.engine.replanner.active
+
     def stats(self) -> dict[str, Any]:
         e = self.engine
         c = e.counters
@@ -70,6 +76,7 @@ class OffloadHandle:
             saved_refs=c.saved_refs,
             refetches=c.refetches,
             steps=c.steps,
+            planning=e.replanner.active,
             trace_length=len(e.schedule.trace),
             trace_relearned=e.schedule.relearned,
             setup_seconds=e.setup_seconds,

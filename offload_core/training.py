@@ -58,6 +58,11 @@ class OffloadTrainingManager:
         if self.handle.trainer is not None:
             self.handle.trainer.after_backward()
 
+    @property
+    def planning(self) -> bool:
+        """The engine is still measuring and choosing its plan (OffloadHandle.planning)."""
+        return self.handle.planning
+
     def stats(self) -> dict[str, Any]:
         return self.handle.stats()
 
