@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import FrozenWeightError
+from .errors import FrozenWeightError, OffloadedCopyError
 from .slots import Slot
 from .units import Unit
 
@@ -67,12 +67,23 @@ class Binder:
         key = (ts.dtype, 1) if ts.trainable else ts.dtype
         ph = self._placeholders.get(key)
         if ph is None:
-            ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.e.device)
+            with torch.inference_mode(False):  # kept for good, whatever mode the first call ran in
+                ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.e.device)
         return ph.expand(ts.shape) if ts.trainable else ph
 
     # ------------------------------------------------------------------ module hooks
-    def make_pre(self, units: list[Unit]) -> Callable:
+    def make_pre(self, units: list[Unit], post_id: int | None) -> Callable:
+        anchor = units[0].anchor
+
         def pre(module: nn.Module, args: Any) -> None:
+            if module is not anchor:  # a deepcopy of the module carries this hook along
+                from .masters import copied_module_error
+
+                raise copied_module_error(next((n for n, m in self.e.model.named_modules() if m is anchor), ""))
+            if post_id is not None:
+                hooks = module._forward_hooks
+                if next(reversed(hooks)) != post_id:
+                    hooks.move_to_end(post_id)  # unbind after the user's forward hooks, even those added later
             for u in units:
                 depth = self.depth.get(u.uid, 0)
                 self.depth[u.uid] = depth + 1
@@ -92,16 +103,18 @@ class Binder:
     def _spec(self, u: Unit) -> list:
         """What binding u needs per tensor, worked out once (layouts are fixed after setup):
         (tensor slot, module, is_param, attr, dtype, shape, stride, element offset, placeholder or None,
-        frozen). A trainable tensor's placeholder (its shape at stride 0) is kept: unbind gives it back.
-        frozen: a parameter that did not require grad at setup (in a model not taken for inference),
-        which must not start to: its plain view would get no gradient, silently."""
+        frozen, the tensor object). A trainable tensor's placeholder (its shape at stride 0) is kept:
+        unbind gives it back. frozen: a parameter that did not require grad at setup (in a model not
+        taken for inference), which must not start to: its plain view would get no gradient, silently.
+        The engine works them all out at the end of its setup, so the tensor object is the one it was
+        given: one the user puts in its place later is refused at bind, not silently overridden."""
         spec = self._specs.get(u.uid)
         if spec is None:
             inference = self.e.treat_as_inference
             spec = self._specs[u.uid] = [
                 (ts, ts.module, ts.is_param, ts.attr, ts.dtype, tuple(ts.shape), ts.contiguous_stride,
                  ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
-                 ts.is_param and not ts.trainable and not inference)
+                 ts.is_param and not ts.trainable and not inference, ts.tensor())
                 for ts in u.tensors]
         return spec
 
@@ -111,12 +124,19 @@ class Binder:
         add = bound.append
         typed = slot.typed
         base_dtype = base = None
-        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen in self._spec(u):
+        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen, own in self._spec(u):
             if dtype is not base_dtype:
                 base_dtype, base = dtype, typed(dtype)
             view = base.as_strided(shape, stride, eoff)
             table = m._parameters if is_param else m._buffers
             orig = table[attr]
+            if orig is not own:
+                self.bound[u.uid] = bound
+                self.unbind(u)  # what this bind swapped so far goes back
+                raise OffloadedCopyError(
+                    f"{self._qualname(ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
+                    "enable_offload (a re-tie, a new Parameter or tensor); the engine streams the one it was given. "
+                    "Replace it before enable_offload, or remove() first")
             if ph is not None:
                 orig.data = view
                 add((table, attr, orig, None, ph))
@@ -133,6 +153,10 @@ class Binder:
                 # keep none (None: ask the module). A frozen parameter needs neither.
                 add((table, attr, orig, view, None if is_param or view.is_inference() else view._version))
         self.bound[u.uid] = bound
+
+    def _qualname(self, ts: Any) -> str:
+        mod = next((n for n, m in self.e.model.named_modules() if m is ts.module), "")
+        return f"{mod}.{ts.attr}" if mod else ts.attr
 
     def _name_of(self, t: torch.Tensor) -> str:
         return next((n for n, p in self.e.model.named_parameters(remove_duplicate=False) if p is t), "a parameter")

@@ -62,6 +62,8 @@ def _quiesce(streams: tuple) -> None:
 
 
 class OffloadEngine:
+    # What setup makes (host buffers, slots, placeholders) outlives the call: never inference tensors.
+    @torch.inference_mode(False)
     def __init__(self, model: nn.Module, config: OffloadConfig, *, stream_trainable: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -150,6 +152,8 @@ class OffloadEngine:
         self.use_streams = self.transfer.use_streams
         self.replanner = Replanner(self)
         self._install_hooks()
+        for u in self.streamed:
+            self.binder._spec(u)  # each tensor's binding, and the tensor object it was given (binding.py)
         self.masters = Masters(self)  # state_dict() and load_state_dict() read and write the host masters
         self._handles += self.masters.handles
         registry.note(model, self)
@@ -209,10 +213,15 @@ class OffloadEngine:
         for u in self.streamed:
             anchors.setdefault(id(u.anchor), (u.anchor, []))[1].append(u)
         root = self.model
-        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         for module, units in anchors.values():
-            self._handles.append(module.register_forward_pre_hook(self.binder.make_pre(units)))
-            self._handles.append(module.register_forward_hook(self.binder.make_post(units), always_call=True))
+            post = module.register_forward_hook(self.binder.make_post(units), always_call=True)
+            # first, so the module's other pre-hooks (legacy weight_norm, the user's) see its weights;
+            # its post-hook kept last (the root's own post-hook comes after it instead)
+            make = self.binder.make_pre(units, None if module is root else post.id)
+            self._handles.append(module.register_forward_pre_hook(make, prepend=True))
+            self._handles.append(post)
+        # the root's cycle hooks go around everything, its anchor's included
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
 
     # ------------------------------------------------------------------ seams for optimizer offload and state_dict
@@ -416,7 +425,9 @@ class OffloadEngine:
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):
                 value = self.masters.value(u, i)
-                ts.tensor().data = value.clone() if ts.store_dtype is None else value
+                # into the tensor object the engine was given (a replacement the user put in its place stays)
+                own = self.binder._specs[u.uid][i][-1]
+                own.data = value.clone() if ts.store_dtype is None else value
         for m, attr, is_param, dev in self._resident_moved:
             t = (m._parameters if is_param else m._buffers)[attr]
             if t is not None:

@@ -73,6 +73,12 @@ class FrozenWeightError(OffloadError, RuntimeError):
     took for inference (every parameter required grad)."""
 
 
+class OffloadedCopyError(OffloadError, RuntimeError):
+    """A copy (copy.deepcopy) of an offloaded module, or a tensor of it replaced after offloading began,
+    would run on the engine's streamed bytes or write into them: copy or re-tie before enable_offload,
+    or remove() first."""
+
+
 class CheckpointMismatchError(OffloadError, ValueError):
     """The checkpoint given as ``weights`` does not fit the model: a parameter it lacks, another shape."""
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .errors import OffloadedCopyError
 from .quant import quantize, widen
 from .units import Unit
 
@@ -47,8 +48,8 @@ class Masters:
         self.handles: list[Any] = []
         for module, entries in owned.values():
             loaded: set[str] = set()
-            self.handles += [module.register_state_dict_post_hook(self._saver(entries)),
-                             module.register_load_state_dict_pre_hook(self._loader(entries, loaded)),
+            self.handles += [module.register_state_dict_post_hook(self._saver(module, entries)),
+                             module.register_load_state_dict_pre_hook(self._loader(module, entries, loaded)),
                              module.register_load_state_dict_post_hook(_unmissing(loaded))]
 
     # ------------------------------------------------------------------ seams
@@ -91,8 +92,10 @@ class Masters:
         e.invalidate(u.uid)
 
     # ------------------------------------------------------------------ state_dict hooks
-    def _saver(self, entries: list) -> Any:
+    def _saver(self, owner: nn.Module, entries: list) -> Any:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            if module is not owner:
+                raise copied_module_error(prefix)
             flushed = False
             for u, i in entries:
                 key = prefix + u.tensors[i].attr
@@ -103,11 +106,16 @@ class Masters:
                     flushed = True
                 value = self.value(u, i)
                 state_dict[key] = own_storage(value) if u.tensors[i].store_dtype is None else value
+                # the tensor handed out is the master itself: a write into it (state_dict()[k].copy_(v))
+                # writes the model, so the device copy the ring may still hold is dropped
+                self.e.invalidate(u.uid)
         return hook
 
-    def _loader(self, entries: list, loaded: set[str]) -> Any:
+    def _loader(self, owner: nn.Module, entries: list, loaded: set[str]) -> Any:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
                  missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+            if module is not owner:
+                raise copied_module_error(prefix)
             for u, i in entries:
                 ts = u.tensors[i]
                 key = prefix + ts.attr
@@ -131,6 +139,13 @@ def _unmissing(loaded: set[str]) -> Any:
                 incompatible_keys.missing_keys.remove(key)
         loaded.clear()
     return hook
+
+
+def copied_module_error(where: str) -> OffloadedCopyError:
+    name = where.rstrip(".") or "the module"
+    return OffloadedCopyError(
+        f"{name}: this is a copy (copy.deepcopy) of an offloaded module; it carries the original engine's hooks, "
+        "so it would read or write the original model's weights. Copy the model before enable_offload, or remove() first")
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

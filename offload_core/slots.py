@@ -48,7 +48,11 @@ class Slot:
         if t is None:
             before = _use_count(self.buf)
             usable = self.buf.numel() // dtype.itemsize * dtype.itemsize
-            t = self.buf[:usable].view(dtype)
+            # kept for every later use: made outside inference mode even when the first use is in it,
+            # or every weight view cut from it would be an inference tensor (no grad-enabled pass could
+            # save one, and in-place buffer updates would have no version to show)
+            with torch.inference_mode(False):
+                t = self.buf[:usable].view(dtype)
             self._typed[dtype] = t
             self.baseline += _use_count(self.buf) - before
         return t
@@ -67,7 +71,8 @@ class SlotRing:
             self._add()
 
     def _add(self) -> Slot:
-        buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        with torch.inference_mode(False):  # a slot added during an inference-mode call outlives it
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
         slot = Slot(index=len(self.slots), buf=buf)
         slot.baseline = _use_count(buf)
         self.slots.append(slot)
@@ -109,7 +114,8 @@ class SlotRing:
             slot.ready = None
 
     def add_sticky(self, uid: int, nbytes: int) -> Slot:
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        with torch.inference_mode(False):
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         slot = Slot(index=-1, buf=buf)
         slot.baseline = _use_count(buf)
         self.sticky[uid] = slot

@@ -1,0 +1,154 @@
+"""What users do to an offloaded model besides calling it: inference mode first, their own hooks,
+legacy weight_norm, writing through state_dict(), re-tying a weight, deep-copying a block.
+
+Each either gives the resident model's results bit for bit or raises a named error; none may give a
+silently different result (a review of the engine found each of these doing so, or failing obscurely).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from offload_core import OffloadedCopyError, enable_offload
+from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, make_optimizer, reference, train
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    a = Stack().requires_grad_(False)
+    return a, copy.deepcopy(a)
+
+
+# ---------------------------------------------------------------- inference mode, then training
+def test_training_after_a_first_call_in_inference_mode_is_bitwise() -> None:
+    # A validation sample under torch.inference_mode() before LoRA training: the slot views the
+    # engine keeps were made in that first call, and used to be inference tensors for good.
+    case = CASES["flux"]
+    a = case.build("adapter", checkpointing=True)
+    b = copy.deepcopy(a)
+    with torch.inference_mode():
+        case.forward(a, case.make_inputs(0))
+    ref, _ = reference(case, a, mode="adapter", checkpointing=True, steps=3)
+    h = enable_offload(b, target_device="cpu")
+    with torch.inference_mode():
+        case.forward(b, case.make_inputs(0))
+    got = train(case, b, make_optimizer(b), steps=3)
+    assert_traces_equal(ref, got)
+    assert not any(t.is_inference() for s in h.engine.ring.slots for t in s._typed.values())
+    h.remove()
+
+
+class Counting(nn.Module):
+    """A buffer updated in place at every call (a step counter, running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+def test_a_buffer_updated_in_eval_under_inference_mode_is_kept() -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(Counting(), Counting()).eval().requires_grad_(False)
+    b = copy.deepcopy(a)
+    h = enable_offload(b, target_device="cpu", offload_granularity="leaf")
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert_bitwise([a(x)], [b(x)], "output")
+    assert b.state_dict()["0.calls"].item() == 3.0
+    h.remove()
+    assert b[0].calls.item() == a[0].calls.item() == 3.0
+
+
+# ---------------------------------------------------------------- hooks
+def test_user_hooks_see_the_weights_whenever_they_were_registered() -> None:
+    a, b = _pair()
+    pre = lambda mod, args: (args[0] + mod.weight.sum(),)  # noqa: E731
+    post = lambda mod, args, out: out * mod.weight.abs().mean()  # noqa: E731
+    for m in (a, b):
+        m.blocks[1].register_forward_pre_hook(pre)  # before enable_offload
+    h = enable_offload(b, target_device="cpu", offload_granularity="block")
+    for m in (a, b):
+        m.blocks[2].register_forward_hook(post)  # after it
+    x = torch.randn(2, 8)
+    assert_bitwise([a(x), a(x)], [b(x), b(x)], "output with user hooks")
+    h.remove()
+
+
+def test_legacy_weight_norm_computes_from_its_streamed_parameters() -> None:
+    # torch.nn.utils.weight_norm's pre-hook builds the weight from weight_g and weight_v: it ran before
+    # the engine's and saw empty placeholders (the process died of SIGFPE in the convolution)
+    def build() -> nn.Module:  # twice from one seed: a weight_norm module cannot be deep-copied
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # weight_norm is deprecated
+            return nn.Sequential(nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1)), nn.GELU(),
+                                 nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1))).requires_grad_(False)
+
+    a, b = build(), build()
+    h = enable_offload(b, target_device="cpu", offload_granularity="leaf")
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        assert_bitwise([a(x), a(x)], [b(x), b(x)], "weight_norm output")
+    h.remove()
+
+
+# ---------------------------------------------------------------- writing through state_dict()
+def test_a_write_into_a_state_dict_tensor_reaches_the_next_call() -> None:
+    a, b = _pair()
+    h = enable_offload(b, target_device="cpu", offload_granularity="block")
+    x = torch.randn(2, 8)
+    for _ in range(2):
+        assert_bitwise([a(x)], [b(x)], "before the write")  # the ring now holds blocks' copies
+    for m in (a, b):
+        m.state_dict()["blocks.1.weight"].mul_(0.5)  # in place
+    assert_bitwise([a(x), a(x)], [b(x), b(x)], "after writing through state_dict()")
+    h.remove()
+    assert torch.equal(a.blocks[1].weight, b.blocks[1].weight)
+
+
+# ---------------------------------------------------------------- replacing, copying
+def test_a_weight_re_tied_after_offloading_is_refused_and_remove_leaves_it_alone() -> None:
+    a, b = _pair()
+    h = enable_offload(b, target_device="cpu", offload_granularity="block")
+    new = nn.Parameter(torch.full((8, 8), 0.25), requires_grad=False)
+    b.blocks[2].weight = new  # what a re-tie after loading does (head.weight = embed.weight)
+    with pytest.raises(OffloadedCopyError, match=r"^blocks\.2\.weight: this parameter was replaced after enable_offload"):
+        b(torch.randn(2, 8))
+    h.remove()
+    assert b.blocks[2].weight is new and torch.equal(new, torch.full((8, 8), 0.25)), "remove() wrote into the replacement"
+    assert torch.equal(b.blocks[1].weight, a.blocks[1].weight) and torch.equal(b.blocks[0].bias, a.blocks[0].bias)
+
+
+def test_a_deep_copied_block_cannot_read_or_write_the_original() -> None:
+    a, b = _pair()
+    h = enable_offload(b, target_device="cpu", offload_granularity="block")
+    ema = copy.deepcopy(b.blocks[0])  # carries the engine's hooks along
+    with pytest.raises(OffloadedCopyError, match="copy"):
+        ema.load_state_dict({"weight": torch.zeros(8, 8), "bias": torch.zeros(8)})
+    with pytest.raises(OffloadedCopyError, match="copy"):
+        ema(torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    assert_bitwise([a(x)], [b(x)], "the original after its copy was used")
+    h.remove()
