@@ -44,15 +44,28 @@ def _fused_on_cpu() -> bool:
     return "cpu" in _get_fused_kernels_supported_devices()
 
 
+def hyper(group: dict) -> tuple:
+    """A param group's hyperparameters (lr, betas, weight_decay...) as comparable plain values."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return tuple(v.detach().flatten().tolist())
+        if isinstance(v, (tuple, list)):
+            return tuple(plain(x) for x in v)
+        return v
+
+    return tuple(sorted((k, plain(v)) for k, v in group.items() if k != "params"))
+
+
 class Bucket:
     """The streamed parameters of one unit in one param group: one twin steps them together."""
 
-    __slots__ = ("items", "opt", "group", "twin")
+    __slots__ = ("items", "opt", "group", "twin", "used")
 
     def __init__(self, opt: torch.optim.Optimizer, group: dict) -> None:
         self.items: list[Any] = []
         self.opt, self.group = opt, group
         self.twin: Any = None  # None: not built yet; False: this optimizer cannot be twinned
+        self.used: tuple | None = None  # the hyperparameters of its last step (hyper())
 
 
 class CpuStepper:
@@ -134,6 +147,7 @@ class CpuStepper:
         fused_here = twin.param_groups[0].get("fused") and not b.group.get("fused")
         skip = _NOT_COPIED if fused_here else ("params",)
         twin.param_groups[0].update({k: v for k, v in b.group.items() if k not in skip})
+        b.used = hyper(b.group)
         stepped = []
         for it in b.items:
             g = grads.get(id(it))

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cpu_step import TWINS, CpuStepper
+from .cpu_step import TWINS, CpuStepper, hyper
 from .errors import OptimizerOverlapError
 from .hostmem import HostBuffer
 
@@ -60,6 +60,17 @@ def _fingerprint(g: torch.Tensor, whole: bool) -> tuple:
     flat = g.reshape(-1)
     sampled = flat[:: max(flat.numel() // _SAMPLED, 1)][:_SAMPLED].view(_BITS[g.element_size()]).clone()
     return sampled, (torch.sum(flat, dtype=torch.float64).view(torch.int64) if whole else None)
+
+
+def _hyper_changed(seen: dict, items: list) -> list[str]:
+    """Hyperparameters of the items' groups that changed since after_backward() recorded them."""
+    out = []
+    for it in items:
+        was = seen.get(id(it.group))
+        if was is not None and was != hyper(it.group):
+            out += [k for (k, v), (_, w) in zip(was, hyper(it.group)) if v != w and k not in out]
+            seen[id(it.group)] = None  # reported once
+    return out
 
 
 def _same(g: torch.Tensor, fp: tuple) -> bool:
@@ -184,6 +195,7 @@ class OptimizerOffload:
         self._finalizer = weakref.finalize(self, self.worker.stop)  # dropped without remove(): end the thread
         self._on_host = False
         self._hidden: list[tuple[_Trainable, Any]] = []
+        self._hp: dict = {}  # id(param group) -> its hyperparameters at after_backward()
         if optimizer is not None:
             self.stepper.adopt(optimizer)
             if self.overlap_setting:
@@ -266,6 +278,9 @@ class OptimizerOffload:
             it.param.grad = g
             it.given, it.version = g, (g._version if g is not None else 0)
             it.fp = _fingerprint(g, whole) if watch and g is not None else None
+        # and the hyperparameters: one changed before step() (a warm-up, scheduler.step() first) is a
+        # change a step run during backward would not see
+        self._hp = {id(it.group): hyper(it.group) for it in self.items if it.group is not None} if watch else {}
         self._on_host = True
 
     def _changed(self, it: _Trainable) -> bool:
@@ -281,7 +296,15 @@ class OptimizerOffload:
         if not self._on_host and any(it.grad_in is not None for it in self.items):
             self.after_backward()  # after_backward() was forgotten: the step still sees the gradients
         mine = [it for it in self.items if it.opt is opt]
+        for b in {id(it.bucket): it.bucket for it in mine}.values():
+            if any(it.stepped for it in b.items) and b.used != hyper(b.group):
+                key = next(k for (k, v), (_, w) in zip(b.used, hyper(b.group)) if v != w)
+                raise OptimizerOverlapError(
+                    f"{b.items[0].name}: the optimizer's {key} changed after this step had already run during "
+                    f"backward (set between after_backward() and optimizer.step(), or scheduler.step() before "
+                    "optimizer.step()?); change it after optimizer.step(), or pass overlap_optimizer_step=False")
         changed = [it.name for it in mine if self._changed(it)]
+        changed += [f"its {k}" for k in _hyper_changed(self._hp, mine)]
         self.overlapped_steps += int(self.overlap)
         if self.steps == 0 and not self._target_set:
             self.target = max([it.issued for it in mine] + [1])
@@ -301,14 +324,17 @@ class OptimizerOffload:
         if changed:
             if self.overlap_setting:
                 raise OptimizerOverlapError(
-                    f"overlap_optimizer_step=True, but the gradients were changed between after_backward() and "
+                    f"overlap_optimizer_step=True, but the gradients or the optimizer's settings were changed between after_backward() and "
                     f"optimizer.step() ({changed[0]}; clip_grad_norm_?), which a step during backward cannot see; "
                     "leave overlap_optimizer_step unset (it then steps inside step(), after the change)")
             if self.overlap or self.overlap_setting is None:
                 self.overlap = False
-                self.overlap_note = f"off: the gradients change between after_backward() and step() ({changed[0]})"
+                self.overlap_note = f"off: the gradients or settings change between after_backward() and step() ({changed[0]})"
                 self.overlap_setting = False
-        elif not self.overlap and self.overlap_setting is not False and all(self.stepper.twin(it.bucket) for it in mine):
+        elif (not self.overlap and self.overlap_setting is not False and all(self.stepper.twin(it.bucket) for it in mine)
+              and (self.overlap_setting or self._hp)):
+            # (auto: not before a step whose settings were seen at after_backward(), the second: the
+            # first step is where the optimizer and its param groups become known)
             self._start_overlap(f"on from step {self.steps + 2}: {self.target} gradient(s) per step, none changed "
                                 "before step()")
         self.steps += 1
@@ -403,8 +429,13 @@ class OptimizerOffload:
         self._flush()
         for it in self.items:
             it.hook.remove()
-            g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
-            it.param._offload_grad = g.clone() if g is not None else None
+            if self._on_host:
+                g = it.param.grad  # after after_backward(): what the user sees (None after zero_grad())
+            else:
+                g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
+            # handed back in the parameter's own dtype (a bf16 parameter's fp32 gradient is refused by torch)
+            dtype = it.unit.tensors[it.index].dtype
+            it.param._offload_grad = g.detach().to(dtype, copy=True) if g is not None else None
             it.param.grad = None
         self.engine.remove_cycle_callback(self._take_back)
         self.engine.masters.remove_hooks(self._flush, self._written)

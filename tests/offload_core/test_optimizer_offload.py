@@ -339,3 +339,85 @@ def test_an_overlapped_step_the_scaler_then_skips_raises() -> None:
     # scaler skips optimizer.step(); the next forward says so instead of training on from NaN
     with pytest.raises(OptimizerOverlapError, match="GradScaler|overlap_optimizer_step=False"):
         _scaled_side_by_side(6, scale_from=3, inf_at=(3,))
+
+
+# ---------------------------------------------------------------- settings changed before step()
+def _lr_side_by_side(steps: int, lr_at, overlap=None) -> dict:
+    """Resident and offloaded toy in lockstep; before optimizer.step() the loop sets each group's lr
+    to ``lr_at(step)`` when that is not None (a manual warm-up, or scheduler.step() called first)."""
+    case = CASES["toy"]
+    ref = case.build("full")
+    off = copy.deepcopy(ref)
+    opt_r, opt_o = make_optimizer(ref), make_optimizer(off)
+    extra = {} if overlap is None else {"overlap_optimizer_step": overlap}
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False, **extra)
+    try:
+        for step in range(steps):
+            for model, opt, offloaded in ((ref, opt_r, False), (off, opt_o, True)):
+                seed = 4000 + step
+                case.loss(case.forward(model, case.make_inputs(seed)), seed).backward()
+                if offloaded:
+                    mgr.after_backward()
+                lr = lr_at(step)
+                if lr is not None:
+                    for g in opt.param_groups:
+                        g["lr"] = lr
+                opt.step()
+                opt.zero_grad()
+        for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+            assert torch.equal(a, b), f"{n} differs after training"
+        return mgr.stats()
+    finally:
+        mgr.remove()
+
+
+def test_an_lr_set_between_after_backward_and_step_keeps_the_steps_in_step_and_bitwise() -> None:
+    # A warm-up that sets the lr before every optimizer.step(): the first step shows it, so no step
+    # runs during backward (it would use the last step's lr), and training is bitwise resident.
+    st = _lr_side_by_side(6, lambda s: 1e-3 * (s + 1) / 6)
+    assert st["optimizer_step_overlapped"] is False and "settings" in st["optimizer_overlap_note"], st["optimizer_overlap_note"]
+
+
+def test_an_lr_changed_once_the_steps_run_during_backward_raises() -> None:
+    # The lr stays put for three steps (the overlap starts), then changes before step(): the step
+    # already ran with the old one during backward, which must not pass silently.
+    with pytest.raises(OptimizerOverlapError, match=r"lr changed after this step had already run during backward"):
+        _lr_side_by_side(6, lambda s: 5e-4 if s == 4 else None)
+
+
+def test_an_lr_changed_before_step_with_the_overlap_forced_raises() -> None:
+    with pytest.raises(OptimizerOverlapError, match=r"lr changed after this step had already run"):
+        _lr_side_by_side(3, lambda s: 1e-3 * (s + 1), overlap=True)
+
+
+# ---------------------------------------------------------------- remove() and the gradients
+@pytest.mark.parametrize("when", ["after zero_grad", "before step"])
+def test_remove_hands_back_the_gradients_the_user_sees_in_the_parameters_dtype(when: str) -> None:
+    # bf16, as the Flux LoRA is: remove() used to put back a stale fp32 gradient (after zero_grad()),
+    # which torch refuses on a bf16 parameter; between after_backward() and step() the gradient is kept
+    case = CASES["toy"]
+    ref = case.build("full").to(torch.bfloat16)
+    off = copy.deepcopy(ref)
+    opt_r, opt_o = make_optimizer(ref), make_optimizer(off)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
+
+    def inputs(seed: int) -> dict:
+        return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in case.make_inputs(seed).items()}
+
+    for step in range(3):
+        for model, opt, offloaded in ((ref, opt_r, False), (off, opt_o, True)):
+            case.loss(case.forward(model, inputs(step)), step).backward()
+            if offloaded:
+                mgr.after_backward()
+            if when == "before step" and step == 2:
+                continue
+            opt.step()
+            opt.zero_grad()
+    mgr.remove()
+    for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+        if when == "after zero_grad":
+            assert b.grad is None, f"{n}: a gradient came back after zero_grad()"
+        else:
+            # (not bitwise: a bf16 model's optimizer offload steps fp32 masters, so the weights differ)
+            assert b.grad is not None and b.grad.dtype == torch.bfloat16 and b.grad.shape == a.grad.shape, n
+            assert b.grad.abs().sum() > 0, n
