@@ -118,6 +118,8 @@ class OffloadEngine:
         self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
         self.store: HostStore = self._make_store()
         self.streamed = [u for u in self.units if u.streamed]
+        # weights that train are streamed (optimizer offload): a step's bookkeeping starts in model.forward()
+        self._trains_streamed = any(u.trainable for u in self.streamed)
 
         # Resident tensors: moved once. Streamed ones: packed (unless the store holds them already),
         # then placeholders.
@@ -310,6 +312,11 @@ class OffloadEngine:
 
     def use(self, u: Unit, backward: bool = False) -> Slot:
         """Make u's bytes available to the compute stream and return its slot."""
+        if self._trains_streamed and self._root_depth == 0 and torch._C._current_graph_task_id() == -1:
+            raise OffloadConfigError(
+                f"model: {u.name} was called outside model.forward() (encode()/decode(), or a loop over the blocks), "
+                "but its weights train through optimizer offload, whose step starts in model.forward(): call the model "
+                "itself, or offload the module whose forward you call")
         if self._auto_inference and torch._C._current_graph_task_id() != -1:
             raise FrozenWeightError(
                 "model: every parameter required grad when offloading began, so enable_offload took it for inference "

@@ -172,3 +172,19 @@ def test_gradients_through_a_model_set_to_inference_on_purpose_still_flow() -> N
     grads = [p.grad for p in off.parameters() if p.grad is not None]
     assert grads and all(g.numel() for g in grads)
     handle.remove()
+
+
+def test_weights_trained_through_optimizer_offload_outside_the_models_forward_raise() -> None:
+    # encode()/decode() or a loop over the blocks never enters model.forward(), where each step's
+    # bookkeeping (the optimizer's take-back, the saved-weight references) starts: the gradients came
+    # out wrong and summed over the steps, silently. Through model() it is the tested path.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, offload_granularity="leaf")
+    with pytest.raises(OffloadConfigError, match=r"^model: 0 was called outside model\.forward\(\)"):
+        model[0](torch.randn(2, 8))
+    model(torch.randn(2, 8)).pow(2).mean().backward()  # the model itself: fine
+    mgr.after_backward()
+    opt.step()
+    mgr.remove()
