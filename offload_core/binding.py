@@ -57,6 +57,7 @@ class Binder:
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
         self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
+        self._recompute_hooks: dict[int, Any] = {}  # id(anchor) -> saved-tensor hooks held over a recompute
 
     def placeholder_for(self, ts: Any) -> torch.Tensor:
         """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
@@ -84,6 +85,14 @@ class Binder:
                 hooks = module._forward_hooks
                 if next(reversed(hooks)) != post_id:
                     hooks.move_to_end(post_id)  # unbind after the user's forward hooks, even those added later
+            if (self.e._trains_streamed and id(module) not in self._recompute_hooks
+                    and torch._C._current_graph_task_id() != -1
+                    and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+                # a reentrant checkpoint's recompute, inside backward and outside the root's hooks: what it
+                # saves of a trained weight must be a reference too, or unbind empties it before its backward
+                ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
+                ctx.__enter__()
+                self._recompute_hooks[id(module)] = ctx
             for u in units:
                 depth = self.depth.get(u.uid, 0)
                 self.depth[u.uid] = depth + 1
@@ -98,6 +107,10 @@ class Binder:
                 self.depth[u.uid] = max(depth, 0)
                 if depth <= 0:
                     self.unbind(u)
+            if self._recompute_hooks and all(self.depth.get(u.uid, 0) == 0 for u in units):
+                ctx = self._recompute_hooks.pop(id(module), None)
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
         return post
 
     def _spec(self, u: Unit) -> list:
