@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import FrozenWeightError, OffloadedCopyError
+from .errors import FrozenWeightError, OffloadedCopyError, copied_module_error
 from .slots import Slot
 from .units import Unit
 
@@ -78,8 +78,6 @@ class Binder:
 
         def pre(module: nn.Module, args: Any) -> None:
             if module is not anchor:  # a deepcopy of the module carries this hook along
-                from .masters import copied_module_error
-
                 raise copied_module_error(next((n for n, m in self.e.model.named_modules() if m is anchor), ""))
             if post_id is not None:
                 hooks = module._forward_hooks
@@ -144,8 +142,7 @@ class Binder:
             table = m._parameters if is_param else m._buffers
             orig = table[attr]
             if orig is not own:
-                self.bound[u.uid] = bound
-                self.unbind(u)  # what this bind swapped so far goes back
+                self._undo(u, bound)
                 raise OffloadedCopyError(
                     f"{self._qualname(ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
                     "enable_offload (a re-tie, a new Parameter or tensor); the engine streams the one it was given. "
@@ -155,10 +152,9 @@ class Binder:
                 add((table, attr, orig, None, ph))
             else:
                 if frozen and orig.requires_grad:
-                    self.bound[u.uid] = bound
-                    self.unbind(u)  # what this bind swapped so far goes back
+                    self._undo(u, bound)
                     raise FrozenWeightError(
-                        f"{self._name_of(orig)}: this weight was frozen when offloading began, so it streams as a "
+                        f"{self._qualname(ts)}: this weight was frozen when offloading began, so it streams as a "
                         "frozen view and would get no gradient; it now requires grad. Call remove(), change what "
                         "trains, then enable offloading again")
                 table[attr] = view
@@ -171,8 +167,10 @@ class Binder:
         mod = next((n for n, m in self.e.model.named_modules() if m is ts.module), "")
         return f"{mod}.{ts.attr}" if mod else ts.attr
 
-    def _name_of(self, t: torch.Tensor) -> str:
-        return next((n for n, p in self.e.model.named_parameters(remove_duplicate=False) if p is t), "a parameter")
+    def _undo(self, u: Unit, bound: list) -> None:
+        """A bind that cannot go on: what it swapped so far goes back."""
+        self.bound[u.uid] = bound
+        self.unbind(u)
 
     def unbind(self, u: Unit) -> None:
         bound = self.bound.pop(u.uid, None)

@@ -79,6 +79,13 @@ class OffloadedCopyError(OffloadError, RuntimeError):
     or remove() first."""
 
 
+def copied_module_error(where: str) -> OffloadedCopyError:
+    name = where.rstrip(".") or "the module"
+    return OffloadedCopyError(
+        f"{name}: this is a copy (copy.deepcopy) of an offloaded module; it carries the original engine's hooks, "
+        "so it would read or write the original model's weights. Copy the model before enable_offload, or remove() first")
+
+
 class CheckpointMismatchError(OffloadError, ValueError):
     """The checkpoint given as ``weights`` does not fit the model: a parameter it lacks, another shape."""
 

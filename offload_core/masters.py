@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import OffloadedCopyError
+from .errors import copied_module_error
 from .quant import quantize, widen
 from .units import Unit
 
@@ -139,13 +139,6 @@ def _unmissing(loaded: set[str]) -> Any:
                 incompatible_keys.missing_keys.remove(key)
         loaded.clear()
     return hook
-
-
-def copied_module_error(where: str) -> OffloadedCopyError:
-    name = where.rstrip(".") or "the module"
-    return OffloadedCopyError(
-        f"{name}: this is a copy (copy.deepcopy) of an offloaded module; it carries the original engine's hooks, "
-        "so it would read or write the original model's weights. Copy the model before enable_offload, or remove() first")
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
