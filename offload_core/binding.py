@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .errors import FrozenWeightError, OffloadedCopyError, copied_module_error
+from .errors import FrozenWeightError, OffloadedCopyError, OffloadedEditError, copied_module_error
 from .slots import Slot
 from .units import Unit
 
@@ -57,6 +58,9 @@ class Binder:
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
         self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
+        # uid -> each tensor object's version while it holds its placeholder (None: a trainable one, which the
+        # optimizer steps in place, or an inference tensor, which keeps no version): see adopt()
+        self._versions: dict[int, list] = {}
         self._recompute_hooks: dict[int, Any] = {}  # id(anchor) -> saved-tensor hooks held over a recompute
 
     def placeholder_for(self, ts: Any) -> torch.Tensor:
@@ -73,16 +77,20 @@ class Binder:
         return ph.expand(ts.shape) if ts.trainable else ph
 
     # ------------------------------------------------------------------ module hooks
-    def make_pre(self, units: list[Unit], post_id: int | None) -> Callable:
+    def make_pre(self, units: list[Unit], last: list[int]) -> Callable:
+        """``last``: the forward hooks kept last, in this order (the unbinding; on the root module, the
+        engine's cycle end after it), so the user's forward hooks, even those added later, see the weights."""
         anchor = units[0].anchor
+        post_id = last[0]
 
         def pre(module: nn.Module, args: Any) -> None:
             if module is not anchor:  # a deepcopy of the module carries this hook along
                 raise copied_module_error(next((n for n, m in self.e.model.named_modules() if m is anchor), ""))
-            if post_id is not None:
-                hooks = module._forward_hooks
-                if next(reversed(hooks)) != post_id:
-                    hooks.move_to_end(post_id)  # unbind after the user's forward hooks, even those added later
+            hooks = module._forward_hooks
+            tail = reversed(hooks)
+            if next(tail) != last[-1] or len(last) > 1 and next(tail, None) != post_id:
+                for hid in last:
+                    hooks.move_to_end(hid)
             if (self.e._trains_streamed and id(module) not in self._recompute_hooks
                     and torch._C._current_graph_task_id() != -1
                     and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
@@ -127,6 +135,8 @@ class Binder:
                  ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
                  ts.is_param and not ts.trainable and not inference, ts.tensor())
                 for ts in u.tensors]
+            self._versions[u.uid] = [None if ts.trainable or own.is_inference() else own._version
+                                     for ts, *_, own in spec]
         return spec
 
     def bind(self, u: Unit, slot: Slot) -> None:
@@ -135,7 +145,8 @@ class Binder:
         add = bound.append
         typed = slot.typed
         base_dtype = base = None
-        for ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen, own in self._spec(u):
+        versions = self._versions[u.uid] if u.uid in self._specs else None
+        for k, (ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen, own) in enumerate(self._spec(u)):
             if dtype is not base_dtype:
                 base_dtype, base = dtype, typed(dtype)
             view = base.as_strided(shape, stride, eoff)
@@ -147,6 +158,14 @@ class Binder:
                     f"{self._qualname(ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
                     "enable_offload (a re-tie, a new Parameter or tensor); the engine streams the one it was given. "
                     "Replace it before enable_offload, or remove() first")
+            if ph is None and (orig.numel() or versions is not None and versions[k] is not None
+                               and orig._version != versions[k]):
+                # edited between uses, while its values were on the host: what reached them goes in, the slot's
+                # bytes are stale now, so the unit is loaded again
+                self._undo(u, bound)
+                self.adopt(u)
+                self.bind(u, self.e.use(u))
+                return
             if ph is not None:
                 orig.data = view
                 add((table, attr, orig, None, ph))
@@ -163,6 +182,54 @@ class Binder:
                 add((table, attr, orig, view, None if is_param or view.is_inference() else view._version))
         self.bound[u.uid] = bound
 
+    def adopt(self, u: Unit, lost: str = "raise") -> None:
+        """Take in what the user did to u's tensors between uses, as a resident model would see it.
+
+        ``p.data = tensor`` (same shape and dtype) is written into the host master, and the tensor
+        gets its placeholder back. An in-place edit (``mul_``, ``nn.init.*``, ``model.apply``) acted
+        on the empty placeholder and cannot be recovered: ``lost="raise"`` raises
+        OffloadedEditError naming it; ``"warn"`` (remove()) warns and goes on. Trainable streamed
+        parameters are optimizer offload's (their ``.data`` is the host master between
+        ``after_backward()`` and the next forward): it takes in their new ``.data`` itself.
+        """
+        spec = self._spec(u)
+        versions = self._versions[u.uid]
+        for i, (ts, m, is_param, attr, dtype, shape, _, _, ph, _, own) in enumerate(spec):
+            if ph is not None or (m._parameters if is_param else m._buffers).get(attr) is not own:
+                continue  # trainable, or a replaced object (bind raises OffloadedCopyError)
+            placeholder = self.placeholder_for(ts)
+            if own.numel():
+                new = own.data
+                own.data = placeholder
+                if tuple(new.shape) == shape and new.dtype == dtype:
+                    self.e.masters.write(u, i, new)
+                else:
+                    msg = (f"{self._qualname(ts)}: its .data was set to a {str(new.dtype).removeprefix('torch.')} "
+                           f"tensor of shape {tuple(new.shape)} after enable_offload; an offloaded tensor keeps its "
+                           f"shape {shape} and dtype {str(dtype).removeprefix('torch.')}: remove() first to change them")
+                    if lost == "raise":
+                        raise OffloadedEditError(msg)
+                    warnings.warn(msg + " (remove() gives it back its offloaded values)", stacklevel=3)
+            elif versions[i] is not None and own._version != versions[i]:
+                msg = (f"{self._qualname(ts)}: edited in place after enable_offload (mul_, nn.init.*, model.apply, ...) "
+                       "while its values were in host memory: the edit acted on an empty placeholder and is lost. "
+                       "Give new values as `p.data = new_tensor` or through model.load_state_dict(...) (both reach "
+                       "the host copy), or remove() first, edit, and enable offloading again")
+                if lost == "raise":
+                    raise OffloadedEditError(msg)
+                warnings.warn(msg, stacklevel=3)
+            if versions[i] is not None:
+                versions[i] = own._version
+
+    def discard_edits(self, u: Unit, i: int) -> None:
+        """load_state_dict writes tensor ``i`` of ``u``: an edit the user made to it between uses is moot."""
+        ts, *_, ph, _, own = self._spec(u)[i]
+        if ph is None and own.numel():
+            own.data = self.placeholder_for(ts)
+        versions = self._versions[u.uid]
+        if versions[i] is not None:
+            versions[i] = own._version
+
     def _qualname(self, ts: Any) -> str:
         mod = next((n for n, m in self.e.model.named_modules() if m is ts.module), "")
         return f"{mod}.{ts.attr}" if mod else ts.attr
@@ -178,12 +245,29 @@ class Binder:
             return
         e = self.e
         e.delay()
-        dirty = None
+        dirty = bad = None
         for (table, attr, orig, view, extra), spec in zip(bound, self._specs[u.uid]):
             if view is None:
                 orig.data = extra  # the trainable tensor's placeholder
                 continue
+            now = table.get(attr)
             table[attr] = orig
+            if now is not view:
+                # the forward assigned it anew (`self.cache = new`): a buffer of the same shape and dtype goes
+                # into the slot and home like an in-place update; anything else cannot be streamed
+                if spec[2] or not isinstance(now, torch.Tensor) or now.shape != view.shape or now.dtype != view.dtype:
+                    what = "None" if now is None else (f"a {str(now.dtype).removeprefix('torch.')} tensor of shape "
+                                                       f"{tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__)
+                    bad = bad or OffloadedEditError(
+                        f"{self._qualname(spec[0])}: the module's forward set this {'parameter' if spec[2] else 'buffer'} "
+                        f"to {what}; an offloaded tensor keeps its object, shape {tuple(view.shape)} and dtype "
+                        f"{str(view.dtype).removeprefix('torch.')} (update it in place instead), or keep this module "
+                        "out of the offloaded model")
+                    continue
+                with torch.no_grad():
+                    view.copy_(now)
+                (dirty := dirty or []).append((spec[0], view))
+                continue
             if not spec[2]:  # a buffer: written back if it changed while bound
                 changed = spec[1].training if extra is None else view._version != extra
                 if changed:
@@ -191,6 +275,8 @@ class Binder:
         if dirty:
             with e.lock:
                 e.transfer.write_back(u, dirty, e.store.master(u.uid), e.ring.lookup(u.uid))
+        if bad is not None:
+            raise bad
 
     # ------------------------------------------------------------------ autograd saved tensors
     def pack_saved(self, t: torch.Tensor) -> Any:

@@ -215,16 +215,21 @@ class OffloadEngine:
         for u in self.streamed:
             anchors.setdefault(id(u.anchor), (u.anchor, []))[1].append(u)
         root = self.model
+        root_last: list[int] = []
         for module, units in anchors.values():
             post = module.register_forward_hook(self.binder.make_post(units), always_call=True)
             # first, so the module's other pre-hooks (legacy weight_norm, the user's) see its weights;
-            # its post-hook kept last (the root's own post-hook comes after it instead)
-            make = self.binder.make_pre(units, None if module is root else post.id)
+            # its post-hook kept last (on the root, followed by the root's own post-hook)
+            last = root_last if module is root else []
+            last.insert(0, post.id)
+            make = self.binder.make_pre(units, last)
             self._handles.append(module.register_forward_pre_hook(make, prepend=True))
             self._handles.append(post)
         # the root's cycle hooks go around everything, its anchor's included
         self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        root_post = root.register_forward_hook(self._root_post, always_call=True)
+        root_last.append(root_post.id)
+        self._handles.append(root_post)
 
     # ------------------------------------------------------------------ seams for optimizer offload and state_dict
     def add_cycle_callback(self, cb: Callable[[], None]) -> None:
@@ -428,6 +433,8 @@ class OffloadEngine:
         for uid in list(self.binder.bound):
             self.binder.unbind(self.units[uid])
         self.synchronize()
+        for u in self.streamed:
+            self.binder.adopt(u, lost="warn")  # `p.data = new` since the last use; a lost in-place edit warns
         self.masters.flush()
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):

@@ -9,6 +9,8 @@
     ├── OptimizerMismatchError    optimizer offload with a trainable parameter the optimizer lacks
     ├── OptimizerOverlapError     gradients changed after a step that already ran during backward
     ├── FrozenWeightError         a weight streamed as frozen was set to require grad after offloading began
+    ├── OffloadedCopyError        a deep copy of an offloaded module, or a tensor of it replaced, would use the engine's bytes
+    ├── OffloadedEditError        a streamed tensor edited in place between uses (the edit hit its empty placeholder)
     ├── CheckpointMismatchError   weights=: the checkpoint lacks a parameter of the model, or has another shape
     └── ShardError                a missing, corrupt or mismatched shard directory (or checkpoint file)
 
@@ -30,6 +32,8 @@ __all__ = [
     "OptimizerMismatchError",
     "OptimizerOverlapError",
     "FrozenWeightError",
+    "OffloadedCopyError",
+    "OffloadedEditError",
     "CheckpointMismatchError",
     "ShardError",
 ]
@@ -77,6 +81,12 @@ class OffloadedCopyError(OffloadError, RuntimeError):
     """A copy (copy.deepcopy) of an offloaded module, or a tensor of it replaced after offloading began,
     would run on the engine's streamed bytes or write into them: copy or re-tie before enable_offload,
     or remove() first."""
+
+
+class OffloadedEditError(OffloadError, RuntimeError):
+    """A streamed tensor was edited in place between uses (``mul_``, ``nn.init.*``, ``model.apply``)
+    while its values were in host memory: the edit acted on its empty placeholder and is lost. New
+    values given as ``p.data = tensor`` or through ``load_state_dict`` do reach the host copy."""
 
 
 def copied_module_error(where: str) -> OffloadedCopyError:

@@ -13,6 +13,8 @@ landed (``flush``): ``torch.save(model.state_dict())``, diffusers' ``save_pretra
 - Weights stored narrower (``weight_dtype``) come back widened to their dtype: the values the model
   computes with (fp8-rounded, for fp8), as new tensors.
 - A unit in use (inside its forward) keeps its live device view.
+- New values given between uses as ``p.data = tensor`` are taken in first (``Binder.adopt``); an
+  in-place edit between uses, which acted on the empty placeholder, raises ``OffloadedEditError``.
 
 ``load_state_dict`` writes the given values into the masters (rounded again for a narrower
 ``weight_dtype``) and drops any device copy, so the next use loads the new values. Resident
@@ -102,6 +104,9 @@ class Masters:
                 if key not in state_dict or self.e.in_use(u.uid):
                     continue
                 if not flushed:
+                    for uid in {x.uid: None for x, _ in entries}:
+                        if not self.e.in_use(uid):
+                            self.e.binder.adopt(self.e.units[uid])  # `p.data = new` since the last use
                     self.flush()
                     flushed = True
                 value = self.value(u, i)
@@ -127,6 +132,7 @@ class Masters:
                     error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
                                       f"from checkpoint, the shape in current model is {tuple(ts.shape)}.")
                     continue
+                self.e.binder.discard_edits(u, i)
                 self.write(u, i, value)
         return hook
 

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .cpu_step import TWINS, CpuStepper, hyper
-from .errors import OptimizerOverlapError
+from .errors import OffloadedEditError, OptimizerOverlapError
 from .hostmem import HostBuffer
 
 __all__ = ["OptimizerOffload"]
@@ -356,11 +356,28 @@ class OptimizerOffload:
                 it.stepped = False
                 it.grad_in = None if it.param.grad is None else it.grad_in
 
+    def _user_data(self) -> None:
+        """``p.data = new`` while the parameters are on the host (weight clipping written as
+        ``p.data = p.data.clamp(...)``, SAM's restore): the new values go into the master, as a
+        resident model would keep them."""
+        for it in self.items:
+            d = it.param.data
+            if d.data_ptr() == it.master.data_ptr():
+                continue
+            if d.shape != it.master.shape:
+                raise OffloadedEditError(
+                    f"{it.name}: its .data was set to a tensor of shape {tuple(d.shape)}; an offloaded parameter keeps "
+                    f"its shape {tuple(it.master.shape)}: remove() first to change it")
+            with torch.no_grad():
+                it.master.copy_(d)
+            it.param.data = it.master
+
     def _take_back(self) -> None:
         """At the start of a forward: collect what the optimizer did, and stream the params again."""
         self.worker.wait()
         if not self._on_host:
             return
+        self._user_data()
         skipped = [it.name for it in self.items if it.stepped and it.param.grad is None]
         if skipped:
             raise OptimizerOverlapError(
@@ -392,6 +409,8 @@ class OptimizerOffload:
     def _flush(self) -> None:
         """Before the masters are read (state_dict): the optimizer's updates are in the store."""
         self.worker.wait()
+        if self._on_host:
+            self._user_data()
         for it in self.items:
             if it.separate:
                 self.engine.store.view(it.unit, it.index).copy_(it.master)
@@ -437,6 +456,8 @@ class OptimizerOffload:
             dtype = it.unit.tensors[it.index].dtype
             it.param._offload_grad = g.detach().to(dtype, copy=True) if g is not None else None
             it.param.grad = None
+            if self._on_host:  # remove() gives it its values back from the store
+                it.param.data = self.engine.binder.placeholder_for(it.unit.tensors[it.index])
         self.engine.remove_cycle_callback(self._take_back)
         self.engine.masters.remove_hooks(self._flush, self._written)
         self._staging.close()

@@ -1,5 +1,6 @@
 """What users do to an offloaded model besides calling it: inference mode first, their own hooks,
-legacy weight_norm, writing through state_dict(), re-tying a weight, deep-copying a block.
+legacy weight_norm, writing through state_dict(), re-tying a weight, deep-copying a block, editing
+weights between calls (``p.data = w``, in place), a buffer the forward assigns anew.
 
 Each either gives the resident model's results bit for bit or raises a named error; none may give a
 silently different result (a review of the engine found each of these doing so, or failing obscurely).
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import OffloadedCopyError, enable_offload
+from offload_core import OffloadedCopyError, OffloadedEditError, OffloadTrainingManager, enable_offload
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, make_optimizer, reference, train
 
 
@@ -96,6 +97,21 @@ def test_user_hooks_see_the_weights_whenever_they_were_registered() -> None:
     h.remove()
 
 
+def test_a_forward_hook_on_a_root_module_that_owns_weights_sees_them() -> None:
+    # the root module is itself a unit's anchor (a bare Linear, leaf granularity): its unbinding and
+    # the engine's cycle end are kept after a forward hook the user adds later
+    torch.manual_seed(0)
+    a = nn.Linear(8, 8).requires_grad_(False)
+    b = copy.deepcopy(a)
+    h = enable_offload(b, target_device="cpu")
+    post = lambda mod, args, out: out * mod.weight.abs().mean()  # noqa: E731
+    for m in (a, b):
+        m.register_forward_hook(post)
+    x = torch.randn(2, 8)
+    assert_bitwise([a(x), a(x)], [b(x), b(x)], "output with a root forward hook")
+    h.remove()
+
+
 def test_legacy_weight_norm_computes_from_its_streamed_parameters() -> None:
     # torch.nn.utils.weight_norm's pre-hook builds the weight from weight_g and weight_v: it ran before
     # the engine's and saw empty placeholders (the process died of SIGFPE in the convolution)
@@ -152,3 +168,116 @@ def test_a_deep_copied_block_cannot_read_or_write_the_original() -> None:
     x = torch.randn(2, 8)
     assert_bitwise([a(x)], [b(x)], "the original after its copy was used")
     h.remove()
+
+
+# ---------------------------------------------------------------- editing weights between calls
+@pytest.mark.parametrize("granularity", ["leaf", "block"])
+def test_new_data_given_between_calls_is_what_the_next_call_uses(granularity: str) -> None:
+    # `p.data = w` between calls: the resident model computes with w, and so must the offloaded one
+    # (the engine used to override it with its host copy, and remove() brought the old values back)
+    a, b = _pair()
+    h = enable_offload(b, target_device="cpu", offload_granularity=granularity)
+    x = torch.randn(2, 8)
+    b(x)
+    for m in (a, b):
+        m.blocks[1].weight.data = torch.full((8, 8), 0.25)
+        m.blocks[2].bias.data = a.blocks[0].bias.detach().clone() * 2
+    assert torch.equal(b.state_dict()["blocks.1.weight"], a.blocks[1].weight)  # state_dict() before any call sees it
+    assert torch.equal(a(x), b(x))
+    assert torch.equal(a(x), b(x))
+    h.remove()
+    assert torch.equal(b.blocks[1].weight, a.blocks[1].weight) and torch.equal(b.blocks[2].bias, a.blocks[2].bias)
+
+
+def test_an_in_place_edit_between_calls_raises_instead_of_being_lost() -> None:
+    # model.apply(init) / mul_ after enable_offload acted on the empty placeholder: no effect, no error
+    a, b = _pair()
+    h = enable_offload(b, target_device="cpu")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        b.blocks[1].weight.mul_(0.5)
+    with pytest.raises(OffloadedEditError, match=r"blocks\.1\.weight: edited in place"):
+        b(x)
+    with pytest.raises(OffloadedEditError, match=r"blocks\.1\.weight"):
+        b.state_dict()
+    # loading new values is the way out, and the model then computes with them
+    with torch.no_grad():
+        a.blocks[1].weight.mul_(0.5)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(x), b(x))
+    with torch.no_grad():
+        nn.init.zeros_(b.blocks[0].weight)
+    with pytest.warns(UserWarning, match=r"blocks\.0\.weight: edited in place"):
+        h.remove()  # remove() still gives the model back, and says what was lost
+    assert torch.equal(b.blocks[0].weight, a.blocks[0].weight)
+
+
+def test_new_data_of_another_shape_is_refused() -> None:
+    a, b = _pair()
+    enable_offload(b, target_device="cpu")
+    b.blocks[0].weight.data = torch.zeros(4, 8)
+    with pytest.raises(OffloadedEditError, match=r"blocks\.0\.weight: its \.data was set to a float32 tensor of shape \(4, 8\)"):
+        b(torch.randn(2, 8))
+
+
+class Caching(nn.Module):
+    """A module whose forward assigns its buffer anew (`self.state = new`): a running cache."""
+
+    def __init__(self, grow: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.grow = grow
+        self.register_buffer("state", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) + self.state
+        self.state = torch.cat([self.state, self.state]) if self.grow else y.detach().mean(0)
+        return y
+
+
+@pytest.mark.parametrize("granularity", ["leaf", "block"])
+def test_a_buffer_the_forward_assigns_anew_is_kept(granularity: str) -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(Caching(), Caching(), Caching()).requires_grad_(False)
+    b = copy.deepcopy(a)
+    h = enable_offload(b, target_device="cpu", offload_granularity=granularity)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(a(x), b(x))  # the second call used to read the stale state
+    assert torch.equal(b.state_dict()["1.state"], a[1].state)
+    h.remove()
+    assert all(torch.equal(p.state, q.state) for p, q in zip(a, b))
+
+
+def test_a_buffer_the_forward_gives_another_shape_is_refused() -> None:
+    b = nn.Sequential(Caching(grow=True), Caching()).requires_grad_(False)
+    enable_offload(b, target_device="cpu")
+    with pytest.raises(OffloadedEditError, match=r"0\.state: the module's forward set this buffer to a float32 tensor of shape \(16,\)"):
+        b(torch.randn(4, 8))
+
+
+def test_optimizer_offload_keeps_new_data_given_after_the_step() -> None:
+    # WGAN-style clipping written as `p.data = p.data.clamp(...)`, SAM's restore: resident keeps it
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    off = copy.deepcopy(ref)
+    opt_r = torch.optim.RMSprop(ref.parameters(), lr=5e-3)
+    opt_o = torch.optim.RMSprop(off.parameters(), lr=5e-3)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
+    for step in range(3):
+        x = torch.randn(4, 16)
+        for model, opt in ((ref, opt_r), (off, opt_o)):
+            model(x).pow(2).mean().backward()
+            if model is off:
+                mgr.after_backward()
+            opt.step()
+            opt.zero_grad()
+            for p in model.parameters():
+                p.data = p.data.clamp(-0.05, 0.05)
+        with torch.no_grad():
+            assert torch.equal(ref(x), off(x)), step
+    sd = off.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    mgr.remove()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
