@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -194,6 +195,7 @@ class OptimizerOffload:
         self.worker = _Worker()
         self._finalizer = weakref.finalize(self, self.worker.stop)  # dropped without remove(): end the thread
         self._on_host = False
+        self._warned_forgotten = False  # step() without after_backward(): said once
         self._hidden: list[tuple[_Trainable, Any]] = []
         self._hp: dict = {}  # id(param group) -> its hyperparameters at after_backward()
         if optimizer is not None:
@@ -294,7 +296,15 @@ class OptimizerOffload:
             return
         self.worker.wait()
         if not self._on_host and any(it.grad_in is not None for it in self.items):
-            self.after_backward()  # after_backward() was forgotten: the step still sees the gradients
+            # after_backward() was forgotten: the step still sees the gradients, but nothing between
+            # backward and step did (a clip there clipped nothing), so say so once
+            if not self._warned_forgotten:
+                self._warned_forgotten = True
+                warnings.warn(
+                    "optimizer.step() ran without manager.after_backward() since loss.backward(): the step used the "
+                    "gradients, but nothing in between saw them (clip_grad_norm_ clipped nothing, GradScaler.unscale_ "
+                    "and .grad reads found none). Call after_backward() right after loss.backward()", stacklevel=3)
+            self.after_backward()
         mine = [it for it in self.items if it.opt is opt]
         for b in {id(it.bucket): it.bucket for it in mine}.values():
             if any(it.stepped for it in b.items) and b.used != hyper(b.group):
