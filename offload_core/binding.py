@@ -67,13 +67,19 @@ class Binder:
         """What a streamed tensor holds between uses: 0 elements, or (trainable) its shape at stride 0.
 
         AccumulateGrad shapes a new .grad after the leaf's current sizes, so a streamed trainable
-        parameter keeps its shape between uses: one element, expanded.
+        parameter keeps its shape between uses: one element, expanded. That element is NaN: a read
+        outside its module's forward (a weight penalty, a head tied to an embedding's weight) then
+        shows as NaN rather than a plausible zero.
         """
         key = (ts.dtype, 1) if ts.trainable else ts.dtype
         ph = self._placeholders.get(key)
         if ph is None:
             with torch.inference_mode(False):  # kept for good, whatever mode the first call ran in
-                ph = self._placeholders[key] = torch.zeros(1 if ts.trainable else 0, dtype=ts.dtype, device=self.e.device)
+                if ts.trainable:
+                    ph = torch.full((1,), float("nan"), dtype=ts.dtype, device=self.e.device)
+                else:
+                    ph = torch.zeros(0, dtype=ts.dtype, device=self.e.device)
+                self._placeholders[key] = ph
         return ph.expand(ts.shape) if ts.trainable else ph
 
     # ------------------------------------------------------------------ module hooks

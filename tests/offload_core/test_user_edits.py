@@ -281,3 +281,17 @@ def test_optimizer_offload_keeps_new_data_given_after_the_step() -> None:
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     mgr.remove()
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
+
+
+def test_a_trained_weight_read_outside_its_forward_reads_nan_not_zero() -> None:
+    # Optimizer offload streams trained weights too: outside its module's forward a parameter holds a
+    # placeholder. A weight penalty (or a head reusing an embedding's weight) read there used to see
+    # zeros and train on silently without it; NaN makes the mistake show.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    model(torch.randn(2, 8))
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    assert torch.isnan(penalty)
+    mgr.remove()
+    assert torch.isfinite(sum(p.pow(2).sum() for p in model.parameters()))
