@@ -12,8 +12,11 @@ hidden during it).
 With ``fused``, Adam and AdamW twins run torch's fused CPU kernel: one pass over memory per
 tensor instead of one per operation. It is bitwise ``AdamW(fused=True)``, and differs from the
 default for-loop kernel in the last bit. Other optimizers (and ``fused=False``) get a twin with the
-user's own settings: bitwise what the user's ``step()`` would have done. An optimizer that cannot be
-built that way (a custom signature) is left to step its masters itself.
+user's own settings: bitwise what the user's ``step()`` would have done. Only optimizers known to
+step each parameter on its own are twinned (torch's, but LBFGS; transformers' Adafactor): another
+class may keep settings on itself, which a twin built from the group would not have, or compute over
+the whole group (a global gradient norm), which a unit at a time would change. Those, and any that
+cannot be built that way, are left to step their masters inside ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ _FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
 _NOT_COPIED = ("params", "fused", "foreach", "capturable", "differentiable")
 # The twins: global optimizer step hooks leave them alone.
 TWINS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def per_parameter(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s step treats each parameter on its own, with settings only in its groups, so a
+    unit's parameters can be stepped alone by a twin: torch's optimizers (LBFGS aside) and
+    transformers' Adafactor. A subclass or a custom optimizer is not assumed to."""
+    cls = type(opt)
+    if cls.__module__.startswith("torch.optim"):
+        return cls is not torch.optim.LBFGS
+    return cls.__module__ == "transformers.optimization" and cls.__name__ == "Adafactor"
 
 
 def _fused_on_cpu() -> bool:
@@ -130,6 +143,10 @@ class CpuStepper:
                     twin = type(opt)([dict(hp, params=params)], fused=True)
                 except (RuntimeError, TypeError, ValueError) as exc:
                     log.info("fused CPU %s unavailable (%s); using the optimizer's own kernel", type(opt).__name__, exc)
+            if twin is None and not per_parameter(opt):
+                log.info("%s is not known to step each parameter on its own; it steps inside optimizer.step()",
+                         type(opt).__name__)
+                twin = False
             if twin is None:
                 try:
                     twin = type(opt)([dict({k: v for k, v in b.group.items() if k != "params"}, params=params)])

@@ -14,6 +14,7 @@ parameter while backward goes on.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -474,3 +475,56 @@ def test_full_finetune_with_checkpointing_of_either_kind_is_bitwise(reentrant: b
     mgr.remove()
     for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
         assert torch.equal(a, b), f"{n} differs after training"
+
+
+# ---------------------------------------------------------------- optimizers the twin cannot stand in for
+class _ScaledSGD(torch.optim.Optimizer):
+    """A setting kept on the optimizer object, not in its groups (common in hand-written optimizers)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, scale: float = 1.0) -> None:
+        self.scale = scale
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] * self.scale)
+
+
+class _GroupNormSGD(torch.optim.Optimizer):
+    """Scales by the whole group's gradient norm inside step() (LAMB/Adan-style): a unit alone differs."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, max_norm: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            ps = [p for p in g["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))
+            c = min(1.0, g["max_norm"] / (float(norm) + 1e-6))
+            for p in ps:
+                p.add_(p.grad, alpha=-g["lr"] * c)
+
+
+@pytest.mark.parametrize("make", [lambda ps: _ScaledSGD(ps, scale=0.1), lambda ps: _GroupNormSGD(ps)],
+                         ids=["setting-on-self", "group-norm"])
+def test_a_custom_optimizer_steps_inside_its_own_step_bitwise(make: Any) -> None:
+    # a twin built from the groups used to step with the default scale, or one unit's norm, silently
+    case = CASES["toy"]
+    ref = case.build("full")
+    off = copy.deepcopy(ref)
+    o_r, o_o = make(ref.parameters()), make(off.parameters())
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
+    for s in range(4):
+        for model, opt in ((ref, o_r), (off, o_o)):
+            case.loss(case.forward(model, case.make_inputs(s)), s).backward()
+            if model is off:
+                mgr.after_backward()
+            opt.step()
+            opt.zero_grad()
+    assert mgr.stats()["optimizer_kernel"] == "optimizer.step()"
+    mgr.remove()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
