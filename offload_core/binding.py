@@ -40,6 +40,14 @@ def set_data(ts: Any, value: torch.Tensor) -> None:
     table[ts.attr] = nn.Parameter(value, requires_grad=obj.requires_grad) if isinstance(obj, nn.Parameter) else value
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """t's version counter, or None where it keeps none (a tensor made under inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class SlotRef:
     """What autograd keeps instead of a streamed weight view."""
@@ -71,7 +79,8 @@ class Binder:
         outside its module's forward (a weight penalty, a head tied to an embedding's weight) then
         shows as NaN rather than a plausible zero.
         """
-        key = (ts.dtype, 1) if ts.trainable else ts.dtype
+        # a trainable tensor's own: an in-place edit of one (nn.init.zeros_) must not change what others read
+        key = ("trained", id(ts)) if ts.trainable else ts.dtype
         ph = self._placeholders.get(key)
         if ph is None:
             with torch.inference_mode(False):  # kept for good, whatever mode the first call ran in
@@ -81,6 +90,15 @@ class Binder:
                     ph = torch.zeros(0, dtype=ts.dtype, device=self.e.device)
                 self._placeholders[key] = ph
         return ph.expand(ts.shape) if ts.trainable else ph
+
+    def own(self, u: Unit, i: int) -> torch.Tensor:
+        """The tensor object the engine streams as tensor ``i`` of ``u`` (the one it was given)."""
+        return self._spec(u)[i][-1]
+
+    def placeholder_ptr(self, ts: Any) -> int:
+        """Where a trainable tensor's placeholder lies (its .data points there between uses)."""
+        ph = self._placeholders.get(("trained", id(ts)))
+        return (ph if ph is not None else self.placeholder_for(ts)).data_ptr()
 
     # ------------------------------------------------------------------ module hooks
     def make_pre(self, units: list[Unit], last: list[int]) -> Callable:
@@ -141,8 +159,7 @@ class Binder:
                  ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
                  ts.is_param and not ts.trainable and not inference, ts.tensor())
                 for ts in u.tensors]
-            self._versions[u.uid] = [None if ts.trainable or own.is_inference() else own._version
-                                     for ts, *_, own in spec]
+            self._versions[u.uid] = [_version(own) for ts, *_, own in spec]
         return spec
 
     def bind(self, u: Unit, slot: Slot) -> None:
@@ -152,6 +169,7 @@ class Binder:
         typed = slot.typed
         base_dtype = base = None
         versions = self._versions[u.uid] if u.uid in self._specs else None
+        placeholders = self._placeholders
         for k, (ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen, own) in enumerate(self._spec(u)):
             if dtype is not base_dtype:
                 base_dtype, base = dtype, typed(dtype)
@@ -164,8 +182,12 @@ class Binder:
                     f"{self._qualname(ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
                     "enable_offload (a re-tie, a new Parameter or tensor); the engine streams the one it was given. "
                     "Replace it before enable_offload, or remove() first")
-            if ph is None and (orig.numel() or versions is not None and versions[k] is not None
-                               and orig._version != versions[k]):
+            if ph is not None:
+                if versions is not None and versions[k] is not None and orig._version != versions[k]:
+                    self._undo(u, bound)
+                    raise OffloadedEditError(self._lost_edit(ts))
+            elif (not orig.is_set_to(placeholders[dtype]) or versions is not None
+                  and versions[k] is not None and orig._version != versions[k]):
                 # edited between uses, while its values were on the host: what reached them goes in, the slot's
                 # bytes are stale now, so the unit is loaded again
                 self._undo(u, bound)
@@ -204,7 +226,7 @@ class Binder:
             if ph is not None or (m._parameters if is_param else m._buffers).get(attr) is not own:
                 continue  # trainable, or a replaced object (bind raises OffloadedCopyError)
             placeholder = self.placeholder_for(ts)
-            if own.numel():
+            if not own.is_set_to(placeholder):
                 new = own.data
                 own.data = placeholder
                 if tuple(new.shape) == shape and new.dtype == dtype:
@@ -213,24 +235,39 @@ class Binder:
                     msg = (f"{self._qualname(ts)}: its .data was set to a {str(new.dtype).removeprefix('torch.')} "
                            f"tensor of shape {tuple(new.shape)} after enable_offload; an offloaded tensor keeps its "
                            f"shape {shape} and dtype {str(dtype).removeprefix('torch.')}: remove() first to change them")
+                    if not new.numel():
+                        msg = (f"{self._qualname(ts)}: its .data was set to a tensor computed from its empty placeholder "
+                               "(`p.data = p.data * 2`, `.half()`, `.to(dtype)`: its values are in host memory between "
+                               "calls); give the new values whole (`p.data = new_tensor`, load_state_dict), or remove() "
+                               "first")
                     if lost == "raise":
                         raise OffloadedEditError(msg)
                     warnings.warn(msg + " (remove() gives it back its offloaded values)", stacklevel=3)
             elif versions[i] is not None and own._version != versions[i]:
-                msg = (f"{self._qualname(ts)}: edited in place after enable_offload (mul_, nn.init.*, model.apply, ...) "
-                       "while its values were in host memory: the edit acted on an empty placeholder and is lost. "
-                       "Give new values as `p.data = new_tensor` or through model.load_state_dict(...) (both reach "
-                       "the host copy), or remove() first, edit, and enable offloading again")
+                msg = self._lost_edit(ts)
                 if lost == "raise":
                     raise OffloadedEditError(msg)
                 warnings.warn(msg, stacklevel=3)
             if versions[i] is not None:
                 versions[i] = own._version
 
+    def _lost_edit(self, ts: Any) -> str:
+        return (f"{self._qualname(ts)}: edited in place after enable_offload (mul_, nn.init.*, model.apply, ...) "
+                "while its values were in host memory: the edit acted on a placeholder and is lost. Give new values "
+                "as `p.data = new_tensor` or through model.load_state_dict(...) (both reach the host copy), or "
+                "remove() first, edit, and enable offloading again")
+
+    def give_placeholder(self, u: Unit, i: int) -> None:
+        """Tensor ``i`` of ``u`` holds its placeholder again (optimizer offload takes a trained
+        parameter back from the host): an in-place edit is told from here on."""
+        own = self._spec(u)[i][-1]
+        own.data = self.placeholder_for(u.tensors[i])
+        self._versions[u.uid][i] = _version(own)
+
     def discard_edits(self, u: Unit, i: int) -> None:
         """load_state_dict writes tensor ``i`` of ``u``: an edit the user made to it between uses is moot."""
         ts, *_, ph, _, own = self._spec(u)[i]
-        if ph is None and own.numel():
+        if ph is None and not own.is_set_to(self.placeholder_for(ts)):
             own.data = self.placeholder_for(ts)
         versions = self._versions[u.uid]
         if versions[i] is not None:
@@ -252,9 +289,12 @@ class Binder:
         e = self.e
         e.delay()
         dirty = bad = None
-        for (table, attr, orig, view, extra), spec in zip(bound, self._specs[u.uid]):
+        versions = self._versions[u.uid]
+        for k, ((table, attr, orig, view, extra), spec) in enumerate(zip(bound, self._specs[u.uid])):
             if view is None:
                 orig.data = extra  # the trainable tensor's placeholder
+                if versions[k] is not None:
+                    versions[k] = orig._version
                 continue
             now = table.get(attr)
             table[attr] = orig

@@ -440,7 +440,7 @@ class OffloadEngine:
             for i, ts in enumerate(u.tensors):
                 value = self.masters.value(u, i)
                 # into the tensor object the engine was given (a replacement the user put in its place stays)
-                own = self.binder._specs[u.uid][i][-1]
+                own = self.binder.own(u, i)
                 own.data = value.clone() if ts.store_dtype is None else value
         for m, attr, is_param, dev in self._resident_moved:
             t = (m._parameters if is_param else m._buffers)[attr]

@@ -93,6 +93,12 @@ class Masters:
             cb(u, index)
         e.invalidate(u.uid)
 
+    def _replaced(self, u: Unit, i: int) -> bool:
+        """The module holds another tensor object than the one streamed (the next call raises
+        OffloadedCopyError): state_dict and load_state_dict see that object, as torch would."""
+        ts = u.tensors[i]
+        return (ts.module._parameters if ts.is_param else ts.module._buffers).get(ts.attr) is not self.e.binder.own(u, i)
+
     # ------------------------------------------------------------------ state_dict hooks
     def _saver(self, owner: nn.Module, entries: list) -> Any:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -101,8 +107,8 @@ class Masters:
             flushed = False
             for u, i in entries:
                 key = prefix + u.tensors[i].attr
-                if key not in state_dict or self.e.in_use(u.uid):
-                    continue
+                if key not in state_dict or self.e.in_use(u.uid) or self._replaced(u, i):
+                    continue  # a tensor object put in place of the streamed one: torch's entry is its value
                 if not flushed:
                     for uid in {x.uid: None for x, _ in entries}:
                         if not self.e.in_use(uid):
@@ -124,8 +130,8 @@ class Masters:
             for u, i in entries:
                 ts = u.tensors[i]
                 key = prefix + ts.attr
-                if key not in state_dict:
-                    continue
+                if key not in state_dict or self._replaced(u, i):
+                    continue  # torch loads into the tensor object put in place of the streamed one
                 value = state_dict.pop(key)  # torch's own copy into the placeholder is skipped
                 loaded.add(key)
                 if tuple(value.shape) != tuple(ts.shape):

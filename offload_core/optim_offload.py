@@ -81,13 +81,14 @@ def _same(g: torch.Tensor, fp: tuple) -> bool:
 class _Trainable:
     __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "grad_in", "issued", "landed",
                  "stepped", "hook", "opt", "group", "bucket", "twin_param", "direct", "separate", "given", "version",
-                 "fp")
+                 "fp", "flushed")
 
     def __init__(self, **kw: Any) -> None:
         self.grad_in: str | None = None  # where this step's gradient is: None, "staging" or "acc"
         self.issued = self.landed = 0  # gradients copied out / landed since the last step
         self.stepped = False
         self.opt = self.group = self.bucket = self.twin_param = self.given = None
+        self.flushed: tuple | None = None  # (master, param) versions when the master was last copied to the store
         self.version = 0
         self.fp: tuple | None = None  # the gradient's fingerprint at after_backward() (_fingerprint)
         self.direct = False  # the gradient may stay in its staging buffer (fp32, one per step)
@@ -295,6 +296,8 @@ class OptimizerOffload:
         if not self.stepper.adopt(opt):
             return
         self.worker.wait()
+        if self._on_host:
+            self._user_data(before_step=True)  # the step runs on what the user gave since after_backward()
         if not self._on_host and any(it.grad_in is not None for it in self.items):
             # after_backward() was forgotten: the step still sees the gradients, but nothing between
             # backward and step did (a clip there clipped nothing), so say so once
@@ -366,34 +369,55 @@ class OptimizerOffload:
                 it.stepped = False
                 it.grad_in = None if it.param.grad is None else it.grad_in
 
-    def _user_data(self) -> None:
-        """``p.data = new`` while the parameters are on the host (weight clipping written as
-        ``p.data = p.data.clamp(...)``, SAM's restore): the new values go into the master, as a
-        resident model would keep them."""
+    def _user_data(self, before_step: bool = False) -> None:
+        """``p.data = new`` (weight clipping written as ``p.data = p.data.clamp(...)``, SAM's restore,
+        an EMA swap): the new values go into the master, as a resident model would keep them.
+
+        On the host (after ``after_backward()``) ``.data`` is the master itself; otherwise it is the
+        placeholder, and new data goes in through the masters (the store and its fp32 copy). At
+        ``step()`` (``before_step``), new data for a parameter whose step already ran during backward
+        cannot be stepped on: that raises OptimizerOverlapError.
+        """
         for it in self.items:
             d = it.param.data
-            if d.data_ptr() == it.master.data_ptr():
+            if self._on_host:
+                m = it.master
+                if d.data_ptr() == m.data_ptr() and d.stride() == m.stride() and d.dtype == m.dtype:
+                    continue
+            elif d.data_ptr() == self.engine.binder.placeholder_ptr(it.unit.tensors[it.index]):
                 continue
-            if d.shape != it.master.shape:
+            if d.shape != it.master.shape or not d.numel():
                 raise OffloadedEditError(
                     f"{it.name}: its .data was set to a tensor of shape {tuple(d.shape)}; an offloaded parameter keeps "
-                    f"its shape {tuple(it.master.shape)}: remove() first to change it")
-            with torch.no_grad():
-                it.master.copy_(d)
-            it.param.data = it.master
+                    f"its shape {tuple(it.master.shape)} (and between calls its values are in host memory, so "
+                    "`p.data = p.data * 2` reads an empty placeholder): give the new values whole, or remove() first")
+            if before_step and it.stepped:
+                raise OptimizerOverlapError(
+                    f"{it.name}: its .data was replaced between after_backward() and optimizer.step(), but its step "
+                    "had already run during backward; pass overlap_optimizer_step=False to the manager to step on "
+                    "the new values")
+            if self._on_host:
+                if d.untyped_storage().data_ptr() == it.master.untyped_storage().data_ptr():
+                    d = d.clone()  # a view of the master itself (p.data = p.data.T)
+                with torch.no_grad():
+                    it.master.copy_(d)
+                it.param.data = it.master
+            else:
+                self.engine.binder.give_placeholder(it.unit, it.index)
+                self.engine.masters.write(it.unit, it.index, d)
 
     def _take_back(self) -> None:
         """At the start of a forward: collect what the optimizer did, and stream the params again."""
         self.worker.wait()
+        self._user_data()
         if not self._on_host:
             return
-        self._user_data()
         skipped = [it.name for it in self.items if it.stepped and it.param.grad is None]
         if skipped:
             raise OptimizerOverlapError(
-                f"{skipped[0]}: its step ran during backward, but optimizer.step() did not run and the gradients "
-                "were then discarded (GradScaler skipping a step on an inf or NaN gradient?); the update cannot be "
-                "taken back: pass overlap_optimizer_step=False to the manager")
+                f"{skipped[0]}: its step ran during backward, but optimizer.step() did not run before this forward "
+                "(a second forward before the step, as SAM takes; or the gradients discarded, as GradScaler does on "
+                "an inf or NaN); the update cannot be taken back: pass overlap_optimizer_step=False to the manager")
         for it in self.items:
             p = it.param
             g = p.grad
@@ -409,7 +433,7 @@ class OptimizerOffload:
             p.grad = None
             if it.separate:
                 self.engine.store.view(it.unit, it.index).copy_(it.master)
-            p.data = self.engine.binder.placeholder_for(it.unit.tensors[it.index])
+            self.engine.binder.give_placeholder(it.unit, it.index)
         # The host masters changed: cached device copies of these units are stale.
         for u in {id(it.unit): it.unit for it in self.items}.values():
             self.engine.invalidate(u.uid)
@@ -419,17 +443,25 @@ class OptimizerOffload:
     def _flush(self) -> None:
         """Before the masters are read (state_dict): the optimizer's updates are in the store."""
         self.worker.wait()
-        if self._on_host:
-            self._user_data()
+        self._user_data()
         for it in self.items:
-            if it.separate:
+            # once per change, not once per module whose state_dict hook asks (that made state_dict() quadratic):
+            # a step (the twin shares the master's version) or an in-place edit of the parameter bumps one of these
+            if it.separate and it.flushed != (seen := (it.master._version, it.param._version)):
                 self.engine.store.view(it.unit, it.index).copy_(it.master)
+                it.flushed = seen
 
     def _written(self, unit: Any, index: int) -> None:
         """load_state_dict wrote a master in the store: an fp32 master of a narrower parameter follows."""
         for it in self.items:
-            if it.unit is unit and it.index == index and it.separate:
-                it.master.copy_(self.engine.store.view(unit, index))
+            if it.unit is unit and it.index == index:
+                # the loaded values win over `p.data = w` given since the last forward
+                if self._on_host:
+                    it.param.data = it.master
+                else:
+                    self.engine.binder.give_placeholder(unit, index)
+                if it.separate:
+                    it.master.copy_(self.engine.store.view(unit, index))
 
     def stats(self) -> dict[str, Any]:
         kernels = self.stepper.kernels()

@@ -295,3 +295,141 @@ def test_a_trained_weight_read_outside_its_forward_reads_nan_not_zero() -> None:
     assert torch.isnan(penalty)
     mgr.remove()
     assert torch.isfinite(sum(p.pow(2).sum() for p in model.parameters()))
+
+
+def test_new_data_computed_from_the_placeholder_or_a_cast_raises() -> None:
+    # `p.data = p.data * 2` and `model.half()` read the empty placeholder: the result was ignored, silently
+    a, b = _pair()
+    enable_offload(b, target_device="cpu")
+    b.blocks[0].weight.data = b.blocks[0].weight.data * 2
+    with pytest.raises(OffloadedEditError, match=r"blocks\.0\.weight: its \.data was set to a tensor computed from"):
+        b(torch.randn(2, 8))
+    c = copy.deepcopy(a)
+    enable_offload(c, target_device="cpu")
+    c.half()
+    with pytest.raises(OffloadedEditError, match="computed from its empty placeholder"):
+        c(torch.randn(2, 8).half())
+
+
+def test_a_model_built_under_inference_mode_can_be_offloaded() -> None:
+    # its tensors keep no version counter; reading one at setup crashed
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        a = Stack()
+    b = copy.deepcopy(a)
+    h = enable_offload(b, target_device="cpu")
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        assert torch.equal(a(x), b(x))
+    h.remove()
+
+
+def test_state_dict_of_a_replaced_tensor_is_the_replacement() -> None:
+    # the next call refuses the replacement (OffloadedCopyError); until then state_dict and
+    # load_state_dict see the object the module holds, as torch does, not the old master
+    a, b = _pair()
+    enable_offload(b, target_device="cpu")
+    w = torch.full((8, 8), 0.5)
+    b.blocks[1].weight = nn.Parameter(w.clone(), requires_grad=False)
+    assert torch.equal(b.state_dict()["blocks.1.weight"], w)
+    sd = a.state_dict()
+    b.load_state_dict(sd)
+    assert torch.equal(b.blocks[1].weight, a.blocks[1].weight)
+
+
+def _optimizer_offload_pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    return ref, copy.deepcopy(ref)
+
+
+def test_optimizer_offload_new_data_before_the_first_call_and_after_an_eval_call() -> None:
+    ref, off = _optimizer_offload_pair()
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    x = torch.randn(4, 16)
+    for m in (ref, off):
+        m[0].weight.data = torch.full((16, 16), 0.01)  # before any forward: the parameter holds its placeholder
+    with torch.no_grad():
+        assert torch.equal(ref(x), off(x))
+    for m in (ref, off):
+        m[1].weight.data = torch.full((16, 16), -0.02)  # after an eval forward
+    with torch.no_grad():
+        assert torch.equal(ref(x), off(x))
+    assert torch.equal(off.state_dict()["1.weight"], ref[1].weight)
+    mgr.remove()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_offload_new_data_between_after_backward_and_step_is_stepped_on(dtype: torch.dtype) -> None:
+    # SAM's restore writes p.data = old before step(): the step runs on the new values (it used to run
+    # on the master, and the new values then overwrote the stepped ones)
+    ref, off = _optimizer_offload_pair()
+    ref, off = ref.to(dtype), off.to(dtype)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(off.parameters(), lr=0.1)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, overlap_optimizer_step=False)
+    for step in range(3):
+        x = torch.randn(4, 16).to(dtype)
+        for model, opt in ((ref, opt_r), (off, opt_o)):
+            model(x).float().pow(2).mean().backward()
+            if model is off:
+                mgr.after_backward()
+            for p in model.parameters():
+                p.data = p.data.clamp(-0.2, 0.2)
+            opt.step()
+            opt.zero_grad()
+        if dtype == torch.float32:
+            with torch.no_grad():
+                assert torch.equal(ref(x), off(x)), step
+    if dtype == torch.float32:
+        mgr.remove()
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
+    else:  # fp32 masters (see README): within bf16 rounding of resident
+        mgr.remove()
+        assert all((p.float() - q.float()).abs().max() < 2e-2 for p, q in zip(ref.parameters(), off.parameters()))
+
+
+def test_optimizer_offload_new_data_after_a_step_that_ran_during_backward_raises() -> None:
+    from offload_core import OptimizerOverlapError
+    ref, off = _optimizer_offload_pair()
+    opt = torch.optim.AdamW(off.parameters(), lr=1e-3)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    with pytest.raises(OptimizerOverlapError, match=r"\.data was replaced between after_backward\(\) and optimizer\.step\(\)"):
+        for _ in range(5):
+            off(torch.randn(4, 16)).pow(2).mean().backward()
+            mgr.after_backward()
+            if mgr.stats()["optimizer_steps_overlapped"]:
+                off[0].weight.data = off[0].weight.data.clamp(-0.1, 0.1)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_optimizer_offload_load_state_dict_wins_over_new_data() -> None:
+    ref, off = _optimizer_offload_pair()
+    ckpt = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.SGD(off.parameters(), lr=0.1)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    off(torch.randn(4, 16)).pow(2).mean().backward()
+    mgr.after_backward()
+    opt.step()
+    opt.zero_grad()
+    for p in off.parameters():
+        p.data = p.data.clamp(-0.01, 0.01)
+    off.load_state_dict(ckpt)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(ref(x), off(x))
+    mgr.remove()
+
+
+def test_optimizer_offload_an_in_place_edit_between_calls_raises_and_spares_the_others() -> None:
+    ref, off = _optimizer_offload_pair()
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    off(torch.randn(4, 16))
+    with torch.no_grad():
+        nn.init.zeros_(off[1].weight)  # acted on the placeholder; it no longer reads NaN, the others still do
+    assert torch.isnan(off[0].weight).all() and torch.isnan(off[2].weight).all()
+    with pytest.raises(OffloadedEditError, match=r"1\.weight: edited in place"):
+        off(torch.randn(4, 16))
+    mgr.remove()
