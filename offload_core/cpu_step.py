@@ -172,7 +172,10 @@ class CpuStepper:
                 continue
             state = b.opt.state[it.param]  # the optimizer's own entry: its state_dict() saves it
             for k, v in list(state.items()):
-                if isinstance(v, torch.Tensor) and v.device != it.master.device:  # loaded onto the placeholder's device
+                # loaded onto the placeholder's device, and cast to its dtype (a bf16 parameter's
+                # optimizer.load_state_dict before the first forward): the master's state is fp32
+                if isinstance(v, torch.Tensor) and (v.device != it.master.device
+                                                    or v.is_floating_point() and v.dtype != torch.float32):
                     state[k] = v.to(it.master.device, torch.float32 if k == "step" or v.is_floating_point() else v.dtype)
             twin.state[it.twin_param] = state
             it.twin_param.grad = g if g.dtype == it.master.dtype else g.to(it.master.dtype)

@@ -48,11 +48,18 @@ class Masters:
             for i, ts in enumerate(u.tensors):
                 owned.setdefault(id(ts.module), (ts.module, []))[1].append((u, i))
         self.handles: list[Any] = []
+        # a state_dict() of the whole model takes in edits and flushes once, at its start (per module it
+        # was quadratic); one of a submodule alone does it in each module's hook
+        self._whole = False
+        root = engine.model
+        # (functions: torch marks the hook it is given with an attribute, which a bound method cannot take)
+        self.handles += [root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._whole_start())]
         for module, entries in owned.values():
             loaded: set[str] = set()
             self.handles += [module.register_state_dict_post_hook(self._saver(module, entries)),
                              module.register_load_state_dict_pre_hook(self._loader(module, entries, loaded)),
                              module.register_load_state_dict_post_hook(_unmissing(loaded))]
+        self.handles += [root.register_state_dict_post_hook(lambda *args: self._whole_end())]  # after the root's saver
 
     # ------------------------------------------------------------------ seams
     def add_hooks(self, flush: Callable[[], None], written: Callable[[Unit, int], None]) -> None:
@@ -99,6 +106,21 @@ class Masters:
         ts = u.tensors[i]
         return (ts.module._parameters if ts.is_param else ts.module._buffers).get(ts.attr) is not self.e.binder.own(u, i)
 
+    def _take_in(self, uids: Any) -> None:
+        """Before the masters are read: what the user gave since the last use (``p.data = new``), and
+        what write-backs and the optimizer have pending."""
+        for uid in uids:
+            if not self.e.in_use(uid):
+                self.e.binder.adopt(self.e.units[uid])
+        self.flush()
+
+    def _whole_start(self) -> None:
+        self._take_in([u.uid for u in self.e.streamed])
+        self._whole = True
+
+    def _whole_end(self) -> None:
+        self._whole = False
+
     # ------------------------------------------------------------------ state_dict hooks
     def _saver(self, owner: nn.Module, entries: list) -> Any:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -109,12 +131,9 @@ class Masters:
                 key = prefix + u.tensors[i].attr
                 if key not in state_dict or self.e.in_use(u.uid) or self._replaced(u, i):
                     continue  # a tensor object put in place of the streamed one: torch's entry is its value
-                if not flushed:
-                    for uid in {x.uid: None for x, _ in entries}:
-                        if not self.e.in_use(uid):
-                            self.e.binder.adopt(self.e.units[uid])  # `p.data = new` since the last use
-                    self.flush()
-                    flushed = True
+                if not flushed and not self._whole:
+                    self._take_in({x.uid: None for x, _ in entries})
+                flushed = True
                 value = self.value(u, i)
                 state_dict[key] = own_storage(value) if u.tensors[i].store_dtype is None else value
                 # the tensor handed out is the master itself: a write into it (state_dict()[k].copy_(v))

@@ -81,14 +81,13 @@ def _same(g: torch.Tensor, fp: tuple) -> bool:
 class _Trainable:
     __slots__ = ("param", "unit", "index", "name", "master", "staging", "acc", "grad_in", "issued", "landed",
                  "stepped", "hook", "opt", "group", "bucket", "twin_param", "direct", "separate", "given", "version",
-                 "fp", "flushed")
+                 "fp")
 
     def __init__(self, **kw: Any) -> None:
         self.grad_in: str | None = None  # where this step's gradient is: None, "staging" or "acc"
         self.issued = self.landed = 0  # gradients copied out / landed since the last step
         self.stepped = False
         self.opt = self.group = self.bucket = self.twin_param = self.given = None
-        self.flushed: tuple | None = None  # (master, param) versions when the master was last copied to the store
         self.version = 0
         self.fp: tuple | None = None  # the gradient's fingerprint at after_backward() (_fingerprint)
         self.direct = False  # the gradient may stay in its staging buffer (fp32, one per step)
@@ -379,13 +378,14 @@ class OptimizerOffload:
         cannot be stepped on: that raises OptimizerOverlapError.
         """
         for it in self.items:
-            d = it.param.data
+            p = it.param
             if self._on_host:
                 m = it.master
-                if d.data_ptr() == m.data_ptr() and d.stride() == m.stride() and d.dtype == m.dtype:
+                if p.data_ptr() == m.data_ptr() and p.dtype == m.dtype and p.stride() == m.stride():
                     continue
-            elif d.data_ptr() == self.engine.binder.placeholder_ptr(it.unit.tensors[it.index]):
+            elif p.data_ptr() == self.engine.binder.placeholder_ptr(it.unit.tensors[it.index]):
                 continue
+            d = p.data
             if d.shape != it.master.shape or not d.numel():
                 raise OffloadedEditError(
                     f"{it.name}: its .data was set to a tensor of shape {tuple(d.shape)}; an offloaded parameter keeps "
@@ -445,11 +445,8 @@ class OptimizerOffload:
         self.worker.wait()
         self._user_data()
         for it in self.items:
-            # once per change, not once per module whose state_dict hook asks (that made state_dict() quadratic):
-            # a step (the twin shares the master's version) or an in-place edit of the parameter bumps one of these
-            if it.separate and it.flushed != (seen := (it.master._version, it.param._version)):
+            if it.separate:
                 self.engine.store.view(it.unit, it.index).copy_(it.master)
-                it.flushed = seen
 
     def _written(self, unit: Any, index: int) -> None:
         """load_state_dict wrote a master in the store: an fp32 master of a narrower parameter follows."""
@@ -488,15 +485,27 @@ class OptimizerOffload:
                 h.remove()
             _GLOBAL.clear()
         self._flush()
+        stepped_note = False
         for it in self.items:
             it.hook.remove()
             if self._on_host:
                 g = it.param.grad  # after after_backward(): what the user sees (None after zero_grad())
             else:
                 g = None if it.grad_in is None else (it.staging if it.grad_in == "staging" else it.acc)
-            # handed back in the parameter's own dtype (a bf16 parameter's fp32 gradient is refused by torch)
+            # handed back in the parameter's own dtype (a bf16 parameter's fp32 gradient is refused by torch);
+            # none where the step already ran during backward (the resident step() would apply it twice)
             dtype = it.unit.tensors[it.index].dtype
-            it.param._offload_grad = g.detach().to(dtype, copy=True) if g is not None else None
+            it.param._offload_grad = g.detach().to(dtype, copy=True) if g is not None and not it.stepped else None
+            if g is not None and it.stepped and not stepped_note:
+                stepped_note = True
+                warnings.warn(
+                    f"{it.name}: remove() came between after_backward() and optimizer.step(), after the step had already "
+                    "run during backward: the parameters hold its result, and their gradients are not handed back (a "
+                    "resident step() would apply them twice). Pass overlap_optimizer_step=False to keep them", stacklevel=3)
+            state = it.opt.state.get(it.param) if it.opt is not None else None
+            for k, v in (state or {}).items():  # the fp32 masters' state, for the parameter's own dtype
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+                    state[k] = v.to(dtype)
             it.param.grad = None
             if self._on_host:  # remove() gives it its values back from the store
                 it.param.data = self.engine.binder.placeholder_for(it.unit.tensors[it.index])

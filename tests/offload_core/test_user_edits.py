@@ -433,3 +433,95 @@ def test_optimizer_offload_an_in_place_edit_between_calls_raises_and_spares_the_
     with pytest.raises(OffloadedEditError, match=r"1\.weight: edited in place"):
         off(torch.randn(4, 16))
     mgr.remove()
+
+
+# ---------------------------------------------------------------- bf16 masters: what state_dict(), resume and remove() see
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_state_dict_after_each_step_is_that_steps_weights(fused: bool) -> None:
+    # torch.save(model.state_dict()) every step: the fp32 masters go into the store once per state_dict();
+    # a flush skipped on unchanged version counters returned the previous step's weights (fused AdamW bumps none)
+    _, off = _optimizer_offload_pair()
+    off = off.to(torch.bfloat16)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=fused)
+    opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    for _ in range(3):
+        off(x).float().pow(2).mean().backward()
+        mgr.after_backward()
+        opt.step()
+        opt.zero_grad()
+        sd = off.state_dict()
+        masters = [p.data.to(torch.bfloat16) for p in off.parameters()]  # on the host after the step: the fp32 masters
+        assert all(torch.equal(v, m) for v, m in zip(sd.values(), masters))
+        with torch.no_grad():
+            off[0].weight.data.clamp_(-0.01, 0.01)  # an in-place write through .data, after a state_dict()
+        assert off.state_dict()["0.weight"].abs().max() <= 0.01
+    mgr.remove()
+
+
+def test_bf16_resume_with_optimizer_load_state_dict_before_the_first_call() -> None:
+    # optimizer.load_state_dict casts the state to the parameter's dtype: bf16 (its placeholder) before the
+    # first forward; the fp32 masters' step then failed on the mixed dtypes
+    _, off = _optimizer_offload_pair()
+    off = off.to(torch.bfloat16)
+    opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    off(x).float().pow(2).mean().backward()
+    mgr.after_backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt = (copy.deepcopy(off.state_dict()), copy.deepcopy(opt.state_dict()))
+    mgr.remove()
+    _, fresh = _optimizer_offload_pair(1)
+    fresh = fresh.to(torch.bfloat16)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    mgr2 = OffloadTrainingManager(fresh, "cpu", enable_optimizer_cpu_offload=True)
+    fresh.load_state_dict(ckpt[0])
+    opt2.load_state_dict(ckpt[1])
+    for _ in range(2):
+        fresh(x).float().pow(2).mean().backward()
+        mgr2.after_backward()
+        opt2.step()
+        opt2.zero_grad()
+    assert all(torch.isfinite(v).all() for v in fresh.state_dict().values())
+    mgr2.remove()
+
+
+def test_remove_between_after_backward_and_step_does_not_step_twice() -> None:
+    # with the overlap on, the step already ran during backward: the gradient handed back would make the
+    # now-resident optimizer.step() apply it a second time
+    ref, off = _optimizer_offload_pair()
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
+    for step in range(5):
+        x = torch.randn(4, 16)
+        for model, opt in ((ref, opt_r), (off, opt_o)):
+            model(x).pow(2).mean().backward()
+            if model is off:
+                mgr.after_backward()
+                if step == 4:
+                    assert mgr.stats()["optimizer_steps_overlapped"]
+                    with pytest.warns(UserWarning, match="not handed back"):
+                        mgr.remove()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
+
+
+def test_bf16_training_goes_on_resident_after_remove() -> None:
+    _, off = _optimizer_offload_pair()
+    off = off.to(torch.bfloat16)
+    opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    for _ in range(2):
+        off(x).float().pow(2).mean().backward()
+        mgr.after_backward()
+        opt.step()
+        opt.zero_grad()
+    mgr.remove()
+    off(x).float().pow(2).mean().backward()
+    opt.step()  # the optimizer state was fp32 (the masters'), which bf16 parameters refuse
+    assert all(torch.isfinite(p).all() for p in off.parameters())
