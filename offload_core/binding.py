@@ -66,8 +66,8 @@ class Binder:
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
         self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
-        # uid -> each tensor object's version while it holds its placeholder (None: a trainable one, which the
-        # optimizer steps in place, or an inference tensor, which keeps no version): see adopt()
+        # uid -> each tensor object's version while it holds its placeholder (None: an inference tensor, which
+        # keeps none): an in-place edit between uses shows as a change (see bind, adopt)
         self._versions: dict[int, list] = {}
         self._recompute_hooks: dict[int, Any] = {}  # id(anchor) -> saved-tensor hooks held over a recompute
 
@@ -260,18 +260,15 @@ class Binder:
     def give_placeholder(self, u: Unit, i: int) -> None:
         """Tensor ``i`` of ``u`` holds its placeholder again (optimizer offload takes a trained
         parameter back from the host): an in-place edit is told from here on."""
-        own = self._spec(u)[i][-1]
+        own = self.own(u, i)
         own.data = self.placeholder_for(u.tensors[i])
         self._versions[u.uid][i] = _version(own)
 
     def discard_edits(self, u: Unit, i: int) -> None:
-        """load_state_dict writes tensor ``i`` of ``u``: an edit the user made to it between uses is moot."""
-        ts, *_, ph, _, own = self._spec(u)[i]
-        if ph is None and not own.is_set_to(self.placeholder_for(ts)):
-            own.data = self.placeholder_for(ts)
-        versions = self._versions[u.uid]
-        if versions[i] is not None:
-            versions[i] = own._version
+        """load_state_dict writes tensor ``i`` of ``u``: an edit the user made to it between uses is moot.
+        (A trained parameter's is optimizer offload's to drop, once the write reaches it.)"""
+        if not u.tensors[i].trainable:
+            self.give_placeholder(u, i)
 
     def _qualname(self, ts: Any) -> str:
         mod = next((n for n, m in self.e.model.named_modules() if m is ts.module), "")

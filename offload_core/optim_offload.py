@@ -403,8 +403,7 @@ class OptimizerOffload:
                     it.master.copy_(d)
                 it.param.data = it.master
             else:
-                self.engine.binder.give_placeholder(it.unit, it.index)
-                self.engine.masters.write(it.unit, it.index, d)
+                self.engine.masters.write(it.unit, it.index, d)  # and _written gives it its placeholder back
 
     def _take_back(self) -> None:
         """At the start of a forward: collect what the optimizer did, and stream the params again."""

@@ -257,11 +257,24 @@ def test_a_buffer_the_forward_gives_another_shape_is_refused() -> None:
         b(torch.randn(4, 8))
 
 
+def _optimizer_offload_pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    return ref, copy.deepcopy(ref)
+
+
+def _steps(model: nn.Module, mgr: OffloadTrainingManager, opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> None:
+    """n training steps of an offloaded model in the documented order."""
+    for _ in range(n):
+        model(x).float().pow(2).mean().backward()
+        mgr.after_backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_optimizer_offload_keeps_new_data_given_after_the_step() -> None:
     # WGAN-style clipping written as `p.data = p.data.clamp(...)`, SAM's restore: resident keeps it
-    torch.manual_seed(0)
-    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    off = copy.deepcopy(ref)
+    ref, off = _optimizer_offload_pair()
     opt_r = torch.optim.RMSprop(ref.parameters(), lr=5e-3)
     opt_o = torch.optim.RMSprop(off.parameters(), lr=5e-3)
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
@@ -337,12 +350,6 @@ def test_state_dict_of_a_replaced_tensor_is_the_replacement() -> None:
     assert torch.equal(b.blocks[1].weight, a.blocks[1].weight)
 
 
-def _optimizer_offload_pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    return ref, copy.deepcopy(ref)
-
-
 def test_optimizer_offload_new_data_before_the_first_call_and_after_an_eval_call() -> None:
     ref, off = _optimizer_offload_pair()
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
@@ -410,10 +417,7 @@ def test_optimizer_offload_load_state_dict_wins_over_new_data() -> None:
     ckpt = copy.deepcopy(ref.state_dict())
     opt = torch.optim.SGD(off.parameters(), lr=0.1)
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
-    off(torch.randn(4, 16)).pow(2).mean().backward()
-    mgr.after_backward()
-    opt.step()
-    opt.zero_grad()
+    _steps(off, mgr, opt, torch.randn(4, 16), 1)
     for p in off.parameters():
         p.data = p.data.clamp(-0.01, 0.01)
     off.load_state_dict(ckpt)
@@ -446,10 +450,7 @@ def test_bf16_state_dict_after_each_step_is_that_steps_weights(fused: bool) -> N
     opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     for _ in range(3):
-        off(x).float().pow(2).mean().backward()
-        mgr.after_backward()
-        opt.step()
-        opt.zero_grad()
+        _steps(off, mgr, opt, x, 1)
         sd = off.state_dict()
         masters = [p.data.to(torch.bfloat16) for p in off.parameters()]  # on the host after the step: the fp32 masters
         assert all(torch.equal(v, m) for v, m in zip(sd.values(), masters))
@@ -467,10 +468,7 @@ def test_bf16_resume_with_optimizer_load_state_dict_before_the_first_call() -> N
     opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
-    off(x).float().pow(2).mean().backward()
-    mgr.after_backward()
-    opt.step()
-    opt.zero_grad()
+    _steps(off, mgr, opt, x, 1)
     ckpt = (copy.deepcopy(off.state_dict()), copy.deepcopy(opt.state_dict()))
     mgr.remove()
     _, fresh = _optimizer_offload_pair(1)
@@ -479,11 +477,7 @@ def test_bf16_resume_with_optimizer_load_state_dict_before_the_first_call() -> N
     mgr2 = OffloadTrainingManager(fresh, "cpu", enable_optimizer_cpu_offload=True)
     fresh.load_state_dict(ckpt[0])
     opt2.load_state_dict(ckpt[1])
-    for _ in range(2):
-        fresh(x).float().pow(2).mean().backward()
-        mgr2.after_backward()
-        opt2.step()
-        opt2.zero_grad()
+    _steps(fresh, mgr2, opt2, x, 2)
     assert all(torch.isfinite(v).all() for v in fresh.state_dict().values())
     mgr2.remove()
 
@@ -516,11 +510,7 @@ def test_bf16_training_goes_on_resident_after_remove() -> None:
     opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
-    for _ in range(2):
-        off(x).float().pow(2).mean().backward()
-        mgr.after_backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(off, mgr, opt, x, 2)
     mgr.remove()
     off(x).float().pow(2).mean().backward()
     opt.step()  # the optimizer state was fp32 (the masters'), which bf16 parameters refuse
