@@ -115,11 +115,12 @@ class Binder:
             if next(tail) != last[-1] or len(last) > 1 and next(tail, None) != post_id:
                 for hid in last:
                     hooks.move_to_end(hid)
-            if (self.e._trains_streamed and id(module) not in self._recompute_hooks
-                    and torch._C._current_graph_task_id() != -1
+            if (id(module) not in self._recompute_hooks and torch._C._current_graph_task_id() != -1
                     and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
                 # a reentrant checkpoint's recompute, inside backward and outside the root's hooks: what it
-                # saves of a trained weight must be a reference too, or unbind empties it before its backward
+                # saves of a streamed weight must be a reference too, or unbind empties a trained one before
+                # its backward, and a BatchNorm's running-stat update in the same slot bumps the version
+                # counter every view of the slot shares ("modified by an inplace operation")
                 ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
                 ctx.__enter__()
                 self._recompute_hooks[id(module)] = ctx

@@ -19,15 +19,16 @@ WIDTH = 32
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-def _ckpt(module: nn.Module, enabled: bool, *args: torch.Tensor) -> torch.Tensor:
-    # Non-reentrant checkpointing, as diffusers does; only while grad is on.
+def _ckpt(module: nn.Module, enabled: bool, *args: torch.Tensor, reentrant: bool = False) -> torch.Tensor:
+    # Non-reentrant checkpointing, as diffusers does, unless asked; only while grad is on.
     if enabled and torch.is_grad_enabled():
-        return checkpoint(module, *args, use_reentrant=False)
+        return checkpoint(module, *args, use_reentrant=reentrant)
     return module(*args)
 
 
 class CheckpointMixin:
     gradient_checkpointing: bool = False
+    checkpoint_reentrant: bool = False  # torch's older default (use_reentrant=True): recomputes inside backward
 
     def enable_gradient_checkpointing(self) -> None:
         self.gradient_checkpointing = True
@@ -131,7 +132,7 @@ class BatchNormTree(CheckpointMixin, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.adapter_in(x)
         for block in self.blocks:
-            x = _ckpt(block, self.gradient_checkpointing, x)
+            x = _ckpt(block, self.gradient_checkpointing, x, reentrant=self.checkpoint_reentrant)
         return self.head(self.bn(x))
 
 
@@ -264,16 +265,20 @@ class DiTBlock(nn.Module):
 
 
 class DiT(nn.Module):
-    """DiT blocks in a ModuleList, each checkpointed (non-reentrant) when ``ckpt``."""
+    """DiT blocks in a ModuleList, each checkpointed when ``ckpt`` (non-reentrant, or ``"reentrant"``)."""
 
-    def __init__(self, d: int, heads: int, depth: int, ckpt: bool) -> None:
+    def __init__(self, d: int, heads: int, depth: int, ckpt: bool | str) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(DiTBlock(d, heads) for _ in range(depth))
         self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ckpt == "reentrant" and torch.is_grad_enabled() and not x.requires_grad:
+            # a reentrant checkpoint passes gradients only through inputs that need them (what
+            # transformers' enable_input_require_grads() arranges for LoRA)
+            x = x.detach().requires_grad_()
         for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
+            x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant") if self.ckpt else blk(x)
         return x
 
 

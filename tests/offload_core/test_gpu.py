@@ -40,9 +40,9 @@ def _fresh() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-@pytest.mark.parametrize("ckpt", [True, False])
+@pytest.mark.parametrize("ckpt", [True, "reentrant", False])
 @pytest.mark.parametrize("granularity", ["block", "leaf"])
-def test_small_dit_lora_bitwise_on_cuda(ckpt: bool, granularity: str) -> None:
+def test_small_dit_lora_bitwise_on_cuda(ckpt: bool | str, granularity: str) -> None:
     torch.manual_seed(0)
     ref = DiT(128, 4, 4, ckpt)
     _lora(ref, 4)
@@ -63,6 +63,31 @@ def test_small_dit_lora_bitwise_on_cuda(ckpt: bool, granularity: str) -> None:
     streamed = [p for p in off.parameters() if not p.requires_grad]
     assert all(p.data.numel() == 0 for p in streamed)
     mgr.remove()
+
+
+def test_reentrant_checkpoint_over_batchnorm_bitwise_on_cuda() -> None:
+    # The recompute of a reentrant checkpoint saves the block's frozen Linear weight; the BatchNorm after it,
+    # in the same slot, updates its running stats in place. Both must come out as resident's, bitwise.
+    from offload_core_test_models import BatchNormTree
+
+    torch.manual_seed(0)
+    ref = BatchNormTree(256)
+    ref.requires_grad_(False)
+    ref.adapter_in.requires_grad_(True)
+    ref.gradient_checkpointing = ref.checkpoint_reentrant = True
+    off = copy.deepcopy(ref)
+    ref.to(CUDA)
+    h = enable_offload(off, target_device=CUDA)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in (ref, off)]
+    for step in range(6):
+        g = torch.Generator(device=CUDA).manual_seed(step)
+        x, t = torch.randn(64, 256, device=CUDA, generator=g), torch.randn(64, 256, device=CUDA, generator=g)
+        lr_, lo = (_train_step(m, x, t, o) for m, o in zip((ref, off), opts))
+        assert torch.equal(lr_, lo), f"step {step}: {lr_.item()} != {lo.item()}"
+    sd_r, sd_o = ref.state_dict(), off.state_dict()
+    for k, v in sd_r.items():
+        assert torch.equal(v.cpu(), sd_o[k].cpu()), f"{k} differs from resident after training"
+    h.remove()
 
 
 def _tiny_flux() -> tuple[nn.Module, dict]:
