@@ -13,7 +13,7 @@ import torch
 
 from .errors import DeviceUnavailableError
 
-__all__ = ["limit_bytes", "peak_bytes", "reset_peak", "resolve_device"]
+__all__ = ["alloc_retries", "limit_bytes", "peak_bytes", "reset_peak", "resolve_device"]
 
 
 def resolve_device(target: str | torch.device) -> torch.device:
@@ -71,3 +71,11 @@ def peak_bytes(device: torch.device) -> int | None:
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """How often torch's allocator has had to free its cache and try again to fit an allocation (None
+    off a card): each retry synchronizes the device, so a ring that causes them costs more than it saves."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))

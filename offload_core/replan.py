@@ -8,8 +8,9 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
   cycle start, as soon as one cycle has been measured;
 - without one, on a card, with the prefetch depth not pinned and the cycles training steps,
   ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
-  growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
-  ring goes back. A first decision that found no stall to take away, where there is room, looks
+  growth stays only if the measured stall of the next full cycle (the fourth) fell, and torch's
+  allocator did not have to free its cache to fit the activations next to it; otherwise the ring goes
+  back. A first decision that found no stall to take away, where there is room, looks
   again ``RETRY_AFTER`` cycles on (twice at most): it read one cycle, and one slow cycle shows none.
   Inference keeps its ring: a pipeline needs the card's free memory for what runs after the
   transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
@@ -46,6 +47,7 @@ class Replanner:
         self.training = True  # every cycle so far ran its forward with grad enabled
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
+        self.retries_at_growth: int | None = None  # the allocator's retry count when it was applied
         self.rounds = 0
         self.retries = 0  # first decisions that found no stall, tried again later (RETRY_AFTER)
         self.retry_at = 0  # the cycle at whose start the next retry is
@@ -160,8 +162,18 @@ class Replanner:
             # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
             e.timing.resolve(block=True)
             was, now = self.cycle_stall(self.grown_at - 1), self.cycle_stall(k - 1)
-            e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now)
-            if now > was - max(0.5, 0.02 * was):
+            retries = device.alloc_retries(e.device)
+            retried = 0 if retries is None or self.retries_at_growth is None else retries - self.retries_at_growth
+            e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now, alloc_retries_after_growth=retried)
+            if retried > 0:
+                # the new slots left the activations too little room: the allocator freed its cache and
+                # retried (each time a device-wide wait), which costs more than the stall it took away
+                self.apply(self.before)
+                e.prediction["chosen_by"] = ("smallest ring" if self.rounds == 1 else "free memory") + (
+                    f" (growth made the allocator free its cache {retried} times)")
+                self.before = None
+                self.active = False
+            elif now > was - max(0.5, 0.02 * was):
                 self.apply(self.before)
                 e.prediction["chosen_by"] = ("smallest ring (growth did not cut the measured stall)"
                                              if self.rounds == 1 else "free memory (the last growth bought nothing)")
@@ -204,6 +216,7 @@ class Replanner:
         self.rounds += 1
         self.grown_at = k
         self.apply(plan)
+        self.retries_at_growth = device.alloc_retries(e.device)
         return True
 
     def cycle_stall(self, cycle: int) -> float:
