@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -272,6 +273,29 @@ def _steps(model: nn.Module, mgr: OffloadTrainingManager, opt: torch.optim.Optim
         opt.zero_grad()
 
 
+def _step_both(ref: nn.Module, off: nn.Module, opts: tuple, mgr: OffloadTrainingManager, x: torch.Tensor, *,
+               before_step: Any = None, after_step: Any = None) -> None:
+    """One step of resident ``ref``, then of offloaded ``off`` (after_backward() before its step);
+    ``before_step(model)`` / ``after_step(model)``: what the user does to each model there."""
+    for model, opt in zip((ref, off), opts):
+        model(x).float().pow(2).mean().backward()
+        if model is off:
+            mgr.after_backward()
+        if before_step is not None:
+            before_step(model)
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
+
+
+def _clamp(bound: float) -> Any:
+    def clamp(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.data = p.data.clamp(-bound, bound)
+    return clamp
+
+
 def test_optimizer_offload_keeps_new_data_given_after_the_step() -> None:
     # WGAN-style clipping written as `p.data = p.data.clamp(...)`, SAM's restore: resident keeps it
     ref, off = _optimizer_offload_pair()
@@ -280,14 +304,7 @@ def test_optimizer_offload_keeps_new_data_given_after_the_step() -> None:
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
     for step in range(3):
         x = torch.randn(4, 16)
-        for model, opt in ((ref, opt_r), (off, opt_o)):
-            model(x).pow(2).mean().backward()
-            if model is off:
-                mgr.after_backward()
-            opt.step()
-            opt.zero_grad()
-            for p in model.parameters():
-                p.data = p.data.clamp(-0.05, 0.05)
+        _step_both(ref, off, (opt_r, opt_o), mgr, x, after_step=_clamp(0.05))
         with torch.no_grad():
             assert torch.equal(ref(x), off(x)), step
     sd = off.state_dict()
@@ -378,14 +395,7 @@ def test_optimizer_offload_new_data_between_after_backward_and_step_is_stepped_o
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, overlap_optimizer_step=False)
     for step in range(3):
         x = torch.randn(4, 16).to(dtype)
-        for model, opt in ((ref, opt_r), (off, opt_o)):
-            model(x).float().pow(2).mean().backward()
-            if model is off:
-                mgr.after_backward()
-            for p in model.parameters():
-                p.data = p.data.clamp(-0.2, 0.2)
-            opt.step()
-            opt.zero_grad()
+        _step_both(ref, off, (opt_r, opt_o), mgr, x, before_step=_clamp(0.2))
         if dtype == torch.float32:
             with torch.no_grad():
                 assert torch.equal(ref(x), off(x)), step
@@ -489,18 +499,14 @@ def test_remove_between_after_backward_and_step_does_not_step_twice() -> None:
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-2)
     mgr = OffloadTrainingManager(off, "cpu", enable_optimizer_cpu_offload=True, fused_cpu_optimizer=False)
+    def remove_before_the_last_step(model: nn.Module) -> None:
+        if model is off and step == 4:
+            assert mgr.stats()["optimizer_steps_overlapped"]
+            with pytest.warns(UserWarning, match="not handed back"):
+                mgr.remove()
+
     for step in range(5):
-        x = torch.randn(4, 16)
-        for model, opt in ((ref, opt_r), (off, opt_o)):
-            model(x).pow(2).mean().backward()
-            if model is off:
-                mgr.after_backward()
-                if step == 4:
-                    assert mgr.stats()["optimizer_steps_overlapped"]
-                    with pytest.warns(UserWarning, match="not handed back"):
-                        mgr.remove()
-            opt.step()
-            opt.zero_grad()
+        _step_both(ref, off, (opt_r, opt_o), mgr, torch.randn(4, 16), before_step=remove_before_the_last_step)
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), off.parameters()))
 
 
