@@ -8,10 +8,11 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
   cycle start, as soon as one cycle has been measured;
 - without one, on a card, with the prefetch depth not pinned and the cycles training steps,
   ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
-  growth stays only if the measured stall of the next full cycle (the fourth) fell, and torch's
-  allocator did not have to free its cache to fit the activations next to it; otherwise the ring goes
-  back. A first decision that found no stall to take away, where there is room, looks
-  again ``RETRY_AFTER`` cycles on (twice at most): it read one cycle, and one slow cycle shows none.
+  growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
+  ring goes back. Where torch's allocator had to free its cache to fit the activations next to the
+  new slots, the ring gives back one slot and is judged again, down to where it started. A first
+  decision that found no stall to take away, where there is room, looks again ``RETRY_AFTER``
+  cycles on (twice at most): it read one cycle, and one slow cycle shows none.
   Inference keeps its ring: a pipeline needs the card's free memory for what runs after the
   transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
 
@@ -48,6 +49,8 @@ class Replanner:
         self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
         self.retries_at_growth: int | None = None  # the allocator's retry count when it was applied
+        self.judge_from = 0  # the cycle before the growth: its stall is what the growth must cut
+        self.at_edge = False  # a growth made the allocator retry: the ring grows no further
         self.rounds = 0
         self.retries = 0  # first decisions that found no stall, tried again later (RETRY_AFTER)
         self.retry_at = 0  # the cycle at whose start the next retry is
@@ -161,13 +164,18 @@ class Replanner:
             # cycle grown_at filled the new slots, the next one ran on them: keep the growth only if
             # that cycle's stall fell; while it did and the cycle still stalls, double the ring again
             e.timing.resolve(block=True)
-            was, now = self.cycle_stall(self.grown_at - 1), self.cycle_stall(k - 1)
+            was, now = self.cycle_stall(self.judge_from), self.cycle_stall(k - 1)
             retries = device.alloc_retries(e.device)
             retried = 0 if retries is None or self.retries_at_growth is None else retries - self.retries_at_growth
             e.prediction.update(stall_before_growth_ms=was, stall_after_growth_ms=now, alloc_retries_after_growth=retried)
-            if retried > 0:
+            if retried > 0 and len(e.ring.slots) - 1 > self.before.slots:
                 # the new slots left the activations too little room: the allocator freed its cache and
-                # retried (each time a device-wide wait), which costs more than the stall it took away
+                # retried (each time a device-wide wait). One slot fewer, judged again two cycles on.
+                self.at_edge = True
+                self._step_down(retried)
+                self.grown_at = k
+                self.retries_at_growth = device.alloc_retries(e.device)
+            elif retried > 0:
                 self.apply(self.before)
                 e.prediction["chosen_by"] = ("smallest ring" if self.rounds == 1 else "free memory") + (
                     f" (growth made the allocator free its cache {retried} times)")
@@ -179,7 +187,8 @@ class Replanner:
                                              if self.rounds == 1 else "free memory (the last growth bought nothing)")
                 self.before = None
                 self.active = False
-            elif self.rounds < self.MAX_ROUNDS and e.prediction.get("chosen_by") == "free memory (measured stall)":
+            elif (not self.at_edge and self.rounds < self.MAX_ROUNDS
+                  and e.prediction.get("chosen_by") == "free memory (measured stall)"):
                 m = self.measure()
                 if m is None or not self._grow(m, k):
                     self.before = None
@@ -217,7 +226,18 @@ class Replanner:
         self.grown_at = k
         self.apply(plan)
         self.retries_at_growth = device.alloc_retries(e.device)
+        self.judge_from = k - 1
         return True
+
+    def _step_down(self, retried: int) -> None:
+        """The grown ring less one slot (the sticky units kept), after the allocator retried ``retried`` times."""
+        e = self.e
+        slots = len(e.ring.slots) - 1
+        p = e.prediction
+        self.apply(planner.Plan(
+            frozenset(e.ring.sticky), slots, max(self.before.depth, slots - 1), p.get("planned_step_ms", 0.0),
+            p.get("unplanned_step_ms", 0.0), f"free memory (one slot fewer: the allocator freed its cache {retried} times)",
+            p.get("measured_other_bytes", 0), p.get("planned_device_bytes", 0) - e.ring.slot_bytes))
 
     def cycle_stall(self, cycle: int) -> float:
         """Measured stall ms of one cycle (resolved timings only)."""
