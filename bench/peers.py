@@ -191,6 +191,9 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-phase", offload_granularity="phase"))
     if wl.name == "p1":
         out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))
+    if wl.name in ("p1", "flux-dev-lora-8g"):
+        # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
+        out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))
     if wl.optimizer_offload:
         # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))

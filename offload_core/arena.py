@@ -30,6 +30,7 @@ class PinnedArena:
 
     def __init__(self, units: Sequence[Unit], *, pin: bool, chunk_bytes: int = _CHUNK) -> None:
         self.pin_requested = pin
+        self.host_store_reason = ""
         self._buffers: list[HostBuffer] = []
         self._slabs: dict[int, torch.Tensor] = {}
         groups: list[list[Unit]] = [[]]
@@ -81,7 +82,8 @@ class PinnedArena:
         return raw.view(t.store_dtype or t.dtype).view(t.shape)
 
     def stats(self) -> dict[str, Any]:
-        return {"host_arena_bytes": self.allocated_bytes, "host_buffers": len(self._buffers)}
+        return {"host_store": "arena", "host_store_reason": self.host_store_reason,
+                "host_arena_bytes": self.allocated_bytes, "host_buffers": len(self._buffers)}
 
     def close(self) -> None:
         for b in self._buffers:
@@ -98,6 +100,11 @@ class PinnedArena:
             if not b.pin():
                 break  # the next ones would fail the same way; the arena streams from pageable memory
         return self.pinned
+
+    def unpin(self) -> None:
+        """Undo every registration (after a partial pin failed), keeping the bytes: pageable again."""
+        for b in self._buffers:
+            b.unpin()
 
     def slab(self, uid: int) -> torch.Tensor:
         return self._slabs[uid]

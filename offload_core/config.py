@@ -79,6 +79,13 @@ class OffloadConfig:
     disk_verify: bool = False  # sha256 of every unit read, against the index
     disk_direct: bool | None = None  # O_DIRECT reads: None where the filesystem allows, else buffered + DONTNEED
     disk_stream_slots: int | None = None
+    # Pinned host memory the engine may register (bytes or "512MiB"; the OFFLOAD_PINNED_LIMIT
+    # environment variable caps it too). Streamed weights over the limit, or a registration the host
+    # refuses (WSL2 and Docker Desktop stop near 0.5-1 GiB), stay in pageable RAM and go to the
+    # device through a pinned bounce ring of at most this size, filled by num_copy_threads threads
+    # (bounce.py). None: pin everything the host allows.
+    pinned_limit: int | str | None = None
+    num_copy_threads: int | None = None
     # A checkpoint to read the weights from (a diffusers model folder with one or several safetensors
     # files, or one .safetensors file), for a model built on the meta device: each streamed tensor is
     # read straight into its host slab and each resident one onto the device, so host RAM never
@@ -131,6 +138,12 @@ class OffloadConfig:
         self.vram_budget = parse_bytes(self.vram_budget, key="vram_budget")
         self.max_memory = parse_bytes(self.max_memory, key="max_memory")
         self.vram_margin = parse_bytes(self.vram_margin, key="vram_margin")
+        self.pinned_limit = parse_bytes(self.pinned_limit, key="pinned_limit")
+        if self.pinned_limit is not None and self.pinned_limit < (16 << 10):
+            raise OffloadConfigError(f"pinned_limit: must be at least 16KiB (four 4 KiB buffers), got {self.pinned_limit!r} bytes")
+        if self.num_copy_threads is not None and (not isinstance(self.num_copy_threads, int)
+                                                  or isinstance(self.num_copy_threads, bool) or self.num_copy_threads < 1):
+            raise OffloadConfigError(f"num_copy_threads: must be a whole number >= 1, got {self.num_copy_threads!r}")
         if not isinstance(self.timing_every, int) or isinstance(self.timing_every, bool) or self.timing_every < 1:
             raise OffloadConfigError(f"timing_every: must be a whole number >= 1, got {self.timing_every!r}")
         if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)

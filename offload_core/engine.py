@@ -22,6 +22,7 @@ Life of a streamed unit:
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -34,6 +35,7 @@ from torch import nn
 
 from . import planner, registry
 from .arena import PinnedArena
+from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, pinned_limit
 from .binding import Binder, set_data
 from .config import OffloadConfig
 from .device import resolve_device
@@ -50,6 +52,7 @@ from .transfer import Transfer
 from .units import Unit, discover_units
 from .weights import meta_tensor_names
 
+log = logging.getLogger(__name__)
 __all__ = ["OffloadEngine", "resolve_device"]
 
 def _quiesce(streams: tuple) -> None:
@@ -137,7 +140,7 @@ class OffloadEngine:
             self._pack()
         trim_host_heap()
         if hasattr(self.store, "pin"):
-            self.store.pin()
+            self.store = self._pin_or_bounce(self.store)
 
         # Sticky units (a buffer of their own) are the ring's to know from here on: ring.sticky.
         moving = [u for u in self.streamed if u.uid not in residency.sticky]
@@ -150,7 +153,8 @@ class OffloadEngine:
         # Units stored in another dtype land in a raw buffer and are widened into their slot.
         self.widener = UnitWidener(self.streamed, self.device)
         self.transfer = Transfer(self.device, use_streams=config.use_streams, timing=self.timing,
-                                 counters=self.counters, widener=self.widener)
+                                 counters=self.counters, widener=self.widener,
+                                 bounce=self.store if isinstance(self.store, BounceStore) else None)
         self.use_streams = self.transfer.use_streams
         self.replanner = Replanner(self)
         self._install_hooks()
@@ -191,6 +195,36 @@ class OffloadEngine:
             # Read onto the device from the files; remove() leaves them on the host, as from_pretrained would.
             self._resident_moved += [(m, attr, is_param, torch.device("cpu")) for m, attr, is_param in placed]
         return arena
+
+    def _pin_or_bounce(self, arena: PinnedArena) -> HostStore:
+        """The arena pinned whole, or, where the box will not pin that much, the same pageable
+        arena behind a pinned bounce ring (bounce.py): a host that caps pinning (WSL2, Docker
+        Desktop) is never left on plain pageable copies, 7-10x slower. Said once, with the reason."""
+        cfg = self.config
+        limit = pinned_limit(cfg.pinned_limit)
+        want = arena.capacity_bytes
+        if not arena.pin_requested:
+            arena.host_store_reason = "no CUDA device, or cpu_offload is off: nothing to pin"
+            if self.device.type == "cpu" and want > limit:
+                # the CPU path runs the same ring (synchronous copies): tests reach it this way
+                return BounceStore(arena, limit=limit, device=self.device, threads=cfg.num_copy_threads,
+                                   reason=f"the streamed weights ({_gib(want)}) exceed pinned_limit ({_gib(limit)})")
+            return arena
+        if want > limit:
+            reason = f"the streamed weights ({_gib(want)}) exceed the pinned limit ({_gib(limit)})"
+        elif arena.pin():
+            arena.host_store_reason = f"every streamed byte pinned ({_gib(want)}, limit {_gib(limit)})"
+            return arena
+        else:
+            arena.unpin()
+            reason = f"registering {_gib(want)} of host memory failed (the host caps pinned memory)"
+            warnings.warn(f"offload: {reason}; streaming from pageable RAM through a pinned bounce ring of "
+                          f"{_gib(min(limit, BOUNCE_RING))} instead of plain pageable copies (set pinned_limit, "
+                          f"or {PINNED_LIMIT_ENV}, to choose the ring's size)", stacklevel=4)
+        store = BounceStore(arena, limit=min(limit, BOUNCE_RING), device=self.device, threads=cfg.num_copy_threads,
+                            reason=reason)
+        log.info("offload: host store bounce: %s", reason)
+        return store
 
     def _move_resident(self, m: nn.Module, attr: str, is_param: bool) -> None:
         t = (m._parameters if is_param else m._buffers)[attr]
@@ -457,3 +491,7 @@ class OffloadEngine:
                 f"weight_dtype={dtype}: remove() leaves the model holding its weights as stored, rounded to "
                 f"{dtype} and widened back to their dtype; reload the checkpoint for the original values",
                 LossyStorageWarning, stacklevel=3)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

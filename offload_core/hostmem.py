@@ -204,6 +204,11 @@ class HostBuffer:
             self._reg.registered = True
         return True
 
+    def unpin(self) -> None:
+        """Unregister now and keep the buffer (pageable again); close() still frees it as before."""
+        with self._lock:
+            _unregister(self._reg)
+
     def close(self) -> None:
         """Unregister now; the memory is freed once nothing else references it."""
         self._finalizer()

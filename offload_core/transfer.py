@@ -13,6 +13,7 @@ Without streams (the CPU, or ``use_streams=False``) the same calls copy synchron
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ class _On:
 
 class Transfer:
     def __init__(self, device: torch.device, *, use_streams: bool, timing: TimingLog | None, counters: Counters,
-                 widener: UnitWidener) -> None:
+                 widener: UnitWidener, bounce: Any = None) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.use_streams = bool(use_streams and self.is_cuda)
@@ -79,6 +80,13 @@ class Transfer:
             self.d2h_stream = torch.cuda.Stream(device)
             self.convert_stream = torch.cuda.Stream(device) if widener.raw else None
             self._freed = torch.cuda.Event()
+        # A bounce store (bounce.py) moves the bytes itself, through its pinned ring: chosen here,
+        # once, so the hot path has no branch on the store.
+        self.bounce = bounce
+        self._late: collections.deque = collections.deque()  # timing pairs the issuer thread recorded
+        if bounce is not None:
+            self._load_async = self._load_bounce  # type: ignore[method-assign]
+            self._h2d_copy = self._bounce_copy  # type: ignore[method-assign]
         # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
         self.clock = None
         if self.is_cuda and timing is not None:
@@ -164,6 +172,70 @@ class Transfer:
         slot.ready = ready
         return read
 
+    def _load_bounce(self, u: Unit, slot: Slot, src: torch.Tensor) -> Any:
+        """_load_async for a bounce store: the same waits, copies and widening, queued in the same
+        order by the store's issuer thread as the ring's chunks are filled. What must be read now
+        (the compute stream's position, the slot's last users, the raw buffer's turn) is read here."""
+        store = self.bounce
+        compute = self.compute_stream()
+        converted = u.converted
+        freed = torch.cuda.Event()  # a fresh one: the issuer waits on it later
+        freed.record(compute)
+        done, slot.done = slot.done, []
+        wb = self._writeback.pop(u.uid, None)
+        b, raw_free = 0, None
+        if converted:
+            b = self._raw_turn
+            self._raw_turn ^= 1
+            raw_free = self._raw_free[b]
+            dst = self.widener.raw[b][: u.store_nbytes]
+        else:
+            dst = slot.buf[: u.nbytes]
+        while self._late:
+            self.timing.add(*self._late.popleft())
+        times = (self.timing.event(), self.timing.event()) if self.timed and self.timing is not None else None
+        job = store.request(src)
+        pending = store.pending()
+        h2d, conv, widener, late = self.h2d_stream, self.convert_stream, self.widener, self._late
+
+        def issue() -> None:
+            writer = conv if converted else h2d
+            writer.wait_event(freed)
+            for ev in done:
+                writer.wait_event(ev)
+            if wb is not None:
+                h2d.wait_event(wb)
+            if raw_free is not None:
+                h2d.wait_event(raw_free)
+            with torch.cuda.stream(h2d):
+                if times is not None:
+                    times[0].record(h2d)
+                store.copy(job, dst, h2d)
+                if times is not None:
+                    times[1].record(h2d)
+                    late.append(("h2d", u.uid, times[0], times[1]))
+                ready = torch.cuda.Event()
+                ready.record(h2d)
+            if converted:
+                conv.wait_event(ready)
+                with torch.cuda.stream(conv):
+                    widener.widen(u, b, slot.buf)
+                    ready = torch.cuda.Event()
+                    ready.record(conv)
+            pending.set(ready)
+
+        store.post(issue)
+        if converted:
+            self._raw_free[b] = pending
+        slot.ready = pending
+        return None
+
+    def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        dst.copy_(src, non_blocking=stream is not None)
+
+    def _bounce_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        self.bounce.copy(self.bounce.request(src), dst, stream)
+
     def _load_sync(self, u: Unit, slot: Slot, src: torch.Tensor) -> None:
         # Serial on purpose (streams off): the host waits for each copy before going on.
         clock = self.clock if self.timed else None
@@ -174,7 +246,7 @@ class Transfer:
             a = self.mark() if self.timed else None
         converted = u.converted
         dst = self.widener.raw[0][: u.store_nbytes] if converted else slot.buf[: u.nbytes]
-        dst.copy_(src, non_blocking=stream is not None)
+        self._h2d_copy(dst, src, stream)
         if clock is not None:
             clock.submitted()
         if a is not None:
@@ -228,5 +300,7 @@ class Transfer:
 
     def synchronize(self) -> None:
         """Wait for every copy this engine queued (the streams and the compute stream)."""
+        if self.bounce is not None:
+            self.bounce.drain()  # copies a bounce store has yet to queue
         if self.is_cuda:
             torch.cuda.synchronize(self.device)

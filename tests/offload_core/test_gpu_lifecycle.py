@@ -144,8 +144,9 @@ def test_a_registration_made_to_fail_falls_back_and_stays_bitwise(monkeypatch: p
 
     def registered_first(nbytes: int):
         buf, raw = real(nbytes)
-        assert int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
-        taken.append((buf, raw))  # held: the range stays registered and alive until we undo it
+        if not taken:  # the arena's buffer (the bounce ring's, allocated after it, pins as usual)
+            assert int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
+            taken.append((buf, raw))  # held: the range stays registered and alive until we undo it
         return buf, raw
 
     monkeypatch.setattr(hostmem, "host_buffer", registered_first)
@@ -153,11 +154,15 @@ def test_a_registration_made_to_fail_falls_back_and_stays_bitwise(monkeypatch: p
     ref = case.build("frozen")
     off = copy.deepcopy(ref)
     ref.to(CUDA)
-    with caplog.at_level(logging.WARNING, logger="offload_core.hostmem"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.hostmem"), \
+            pytest.warns(UserWarning, match="pinned bounce ring"):
         h = enable_offload(off, target_device=CUDA, offload_granularity="block")
     monkeypatch.setattr(hostmem, "host_buffer", real)
     assert taken and "cudaErrorHostMemoryAlreadyRegistered" in caplog.text, caplog.text
-    assert h.stats()["pinned"] is False
+    # not the plain pageable path: the same pageable arena behind a pinned bounce ring
+    st = h.stats()
+    assert st["host_store"] == "bounce" and st["pinned"] is True, st
+    assert "registering" in st["host_store_reason"]
     # the failed call's error was cleared: ordinary CUDA work runs
     a = torch.randn(256, 256, device=CUDA)
     torch.cuda.synchronize()

@@ -1,0 +1,367 @@
+"""BounceStore: weights in pageable RAM, copied to the device through a small pinned bounce ring.
+
+Where the box will not pin the whole model (WSL2 and Docker Desktop stop near 0.5-1 GiB; native
+Windows at about half the RAM), a copy straight from pageable memory runs at 7-10x less than a
+pinned one. This store keeps the host masters in an unregistered PinnedArena and moves a unit in
+chunks through ``pinned_limit`` bytes of pinned buffers:
+
+- ``num_copy_threads`` fill threads memcpy the chunks of each requested unit into the ring, in the
+  order the engine asked for them (libc's memmove through ctypes, which releases the GIL);
+- one issuer thread, in that same order, waits for each chunk to be filled and queues its H2D copy
+  on the copy stream, then records the unit's ``ready`` event; a chunk's buffer is filled again once
+  the event after its copy has completed.
+
+The engine asks for a unit at prefetch time and goes on at once: the fills, the copies and the
+compute overlap. Its slot's ``ready`` is a ``Pending`` event, which a stream waits on as on a CUDA
+event (``stream.wait_event(pending)``); the host blocks there only if the unit's copies have not all
+been queued yet, which means the copies are behind anyway. The device never waits on the host, so
+a fill that fails cannot hang a stream: the error is raised by the next wait, as ``BounceError``.
+
+Measured on the H200 host (bench/bounce_probe.py): 48.6 GB/s through a 256 MiB ring of 16 MiB
+chunks with 16 threads, against 55.3 pinned and 7.5 pageable.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .arena import PinnedArena
+from .errors import OffloadError
+from .hostmem import HostBuffer
+from .units import Unit
+
+__all__ = ["BounceStore", "BounceError", "Pending", "DEFAULT_CHUNK", "BOUNCE_RING", "PINNED_LIMIT_ENV", "pinned_limit"]
+
+DEFAULT_CHUNK = 16 << 20  # 16 MiB: the probe's best on the H200 host (8 MiB close behind)
+BOUNCE_RING = 256 << 20  # the ring's size when the limit allows more (48.6 GB/s at 256 MiB on the H200 host)
+PINNED_LIMIT_ENV = "OFFLOAD_PINNED_LIMIT"  # a hard cap on pinned bytes, over any config
+_MIN_BUFFERS = 4
+_NO_LIMIT = 1 << 62
+
+
+def pinned_limit(configured: int | str | None) -> int:
+    """The pinned bytes the engine may ask for: ``pinned_limit`` from the config and the
+    ``OFFLOAD_PINNED_LIMIT`` environment cap, the smaller; neither set: no limit (the arena tries
+    to pin everything, and a failed registration falls back to the ring)."""
+    from .config import parse_bytes
+
+    limit = _NO_LIMIT
+    for value, key in ((configured, "pinned_limit"), (os.environ.get(PINNED_LIMIT_ENV), PINNED_LIMIT_ENV)):
+        n = parse_bytes(value, key=key) if value not in (None, "") else None
+        if n is not None:
+            limit = min(limit, n)
+    return limit
+
+
+class BounceError(OffloadError, RuntimeError):
+    """A fill or copy thread of the bounce store failed; the message says which and why."""
+
+
+class Pending:
+    """A unit's ``ready`` event before the issuer thread has recorded it.
+
+    ``wait(stream)`` is what ``stream.wait_event(pending)`` calls: the host waits until the unit's
+    copies are queued (raising the ring's error if a thread failed), then the stream waits on the
+    recorded CUDA event, as for any other slot.
+    """
+
+    __slots__ = ("_done", "event", "_ring")
+
+    def __init__(self, ring: "_Ring") -> None:
+        self._done = threading.Event()
+        self.event: Any = None
+        self._ring = ring
+
+    def set(self, event: Any) -> None:
+        self.event = event
+        self._done.set()
+
+    def resolve(self) -> Any:
+        while not self._done.wait(0.05):
+            self._ring.check()
+        self._ring.check()
+        return self.event
+
+    def wait(self, stream: Any = None) -> None:
+        ev = self.resolve()
+        if ev is not None:
+            stream.wait_event(ev)
+
+    def query(self) -> bool:
+        return self._done.is_set() and (self.event is None or self.event.query())
+
+    def synchronize(self) -> None:
+        ev = self.resolve()
+        if ev is not None:
+            ev.synchronize()
+
+
+class _Job:
+    """One unit's bytes on their way through the ring: chunk sequence numbers first..first+n."""
+
+    __slots__ = ("first", "chunks")
+
+    def __init__(self, first: int, chunks: list[tuple[int, int]]) -> None:
+        self.first = first
+        self.chunks = chunks  # (source address, bytes), in order
+
+
+class _Ring:
+    """The pinned buffers, the fill threads and the issuer thread (none of them hold the store)."""
+
+    def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool) -> None:
+        nbuf = max(limit // chunk, _MIN_BUFFERS)
+        chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
+        self.chunk = chunk
+        self.host = HostBuffer(nbuf * chunk)
+        self.pinned = self.host.pin() if pin else False
+        self.bufs = [self.host.tensor[i * chunk: (i + 1) * chunk] for i in range(nbuf)]
+        self.ptrs = [b.data_ptr() for b in self.bufs]
+        self.nbuf = nbuf
+        self.is_cuda = device.type == "cuda"
+        self.cv = threading.Condition()
+        self.filled = [-1] * nbuf  # per buffer: the sequence number whose bytes it holds
+        self.consumed = [-1] * nbuf  # per buffer: the sequence number whose copy out of it is queued
+        self.events: list[Any] = [None] * nbuf  # the event after that copy
+        self.seq = 0  # the next sequence number to hand out
+        self.tasks: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, src, nbytes)
+        self.issue: collections.deque[Callable[[], None]] = collections.deque()
+        self.error: BaseException | None = None
+        self.closed = False
+        self.running = False  # the issuer thread is inside a posted function
+        self.fill_bytes = 0
+        self.fill_s = 0.0
+        self.wait_s = 0.0  # consumers waiting for a fill
+        self.memmove = ctypes.memmove
+        self.threads = [threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
+                        for i in range(max(threads, 1))]
+        self.threads.append(threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True))
+        for t in self.threads:
+            t.start()
+
+    # ------------------------------------------------------------------ errors and shutdown
+    def check(self) -> None:
+        if self.error is not None:
+            raise BounceError(f"bounce store: {self.error}") from self.error
+        if self.closed:
+            raise BounceError("bounce store: used after close()")
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = RuntimeError(f"{where} failed: {type(exc).__name__}: {exc}")
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        me = threading.current_thread()
+        for t in self.threads:
+            if t is not me:
+                t.join(timeout=5.0)
+        self.host.close()
+
+    # ------------------------------------------------------------------ requests
+    def request(self, src: torch.Tensor) -> _Job:
+        """Queue the fills of ``src`` (a pageable host slab); its chunks follow every earlier request's."""
+        self.check()
+        base, n = src.data_ptr(), src.numel() * src.element_size()
+        chunks = [(base + o, min(self.chunk, n - o)) for o in range(0, n, self.chunk)]
+        with self.cv:
+            job = _Job(self.seq, chunks)
+            for i, (a, m) in enumerate(chunks):
+                self.tasks.append((self.seq + i, a, m))
+            self.seq += len(chunks)
+            self.cv.notify_all()
+        return job
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run fn on the issuer thread, after everything posted before it."""
+        with self.cv:
+            self.check()
+            self.issue.append(fn)
+            self.cv.notify_all()
+
+    # ------------------------------------------------------------------ fill threads
+    def _fill_loop(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.tasks and not self.closed:
+                        self.cv.wait()
+                    if self.closed:
+                        return
+                    seq, src, n = self.tasks.popleft()
+                    b = seq % self.nbuf
+                    # the buffer's last occupant must have had its copy queued ...
+                    while self.consumed[b] < seq - self.nbuf and not self.closed and self.error is None:
+                        self.cv.wait()
+                    if self.closed or self.error is not None:
+                        return
+                    ev = self.events[b]
+                # ... and finished (outside the lock: the wait releases the GIL)
+                if ev is not None:
+                    ev.synchronize()
+                t0 = time.perf_counter()
+                self.memmove(self.ptrs[b], src, n)
+                dt = time.perf_counter() - t0
+                with self.cv:
+                    self.filled[b] = seq
+                    self.fill_bytes += n
+                    self.fill_s += dt
+                    self.cv.notify_all()
+        except BaseException as exc:  # surfaced by the next wait, never a hang
+            self._fail(exc, f"fill thread {threading.current_thread().name}")
+
+    # ------------------------------------------------------------------ consuming
+    def copy(self, job: _Job, dst: torch.Tensor, stream: Any) -> None:
+        """Copy job's chunks into ``dst`` (device bytes) as they are filled: queued on ``stream``
+        (CUDA; each buffer reused once its copy's event completes), or synchronously (no stream)."""
+        off = 0
+        for i, (_, n) in enumerate(job.chunks):
+            seq = job.first + i
+            b = seq % self.nbuf
+            with self.cv:
+                if self.filled[b] != seq:
+                    t0 = time.perf_counter()
+                    while self.filled[b] != seq and self.error is None and not self.closed:
+                        self.cv.wait(0.05)
+                    self.wait_s += time.perf_counter() - t0
+                self.check()
+            out = dst[off: off + n]
+            if stream is not None:
+                out.copy_(self.bufs[b][:n], non_blocking=True)  # on the current stream: the caller's ``stream``
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            else:
+                out.copy_(self.bufs[b][:n])
+                ev = None
+            off += n
+            with self.cv:
+                self.events[b] = ev
+                self.consumed[b] = seq
+                self.cv.notify_all()
+
+    def _issue_loop(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.issue and not self.closed:
+                        self.cv.wait()
+                    if self.closed:
+                        return
+                    fn = self.issue.popleft()
+                    self.running = True
+                try:
+                    fn()
+                finally:
+                    with self.cv:
+                        self.running = False
+                        self.cv.notify_all()
+        except BaseException as exc:
+            self._fail(exc, "issuer thread")
+
+    def drain(self) -> None:
+        """Wait until every posted unit's copies are queued (before a device sync means 'all done').
+        After a failure there is nothing more to wait for: the error is the next use's to raise, and
+        remove() still restores the model from the masters."""
+        with self.cv:
+            while (self.issue or self.running) and self.error is None and not self.closed:
+                self.cv.wait(0.05)
+
+
+def _default_threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+class BounceStore:
+    """A HostStore whose masters are pageable (an unregistered PinnedArena) and whose copies go
+    through a pinned ring of ``limit`` bytes (see the module docstring)."""
+
+    filled = False
+    bounce = True  # the engine's Transfer hands this store its copies (transfer.py)
+
+    def __init__(self, arena: PinnedArena, *, limit: int, device: torch.device, threads: int | None = None,
+                 chunk: int | None = None, reason: str = "") -> None:
+        self.arena = arena
+        self.reason = reason
+        self.limit = int(limit)
+        self.ring = _Ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device,
+                          pin=device.type == "cuda")
+        self._finalizer = weakref.finalize(self, self.ring.close)
+        self._finalizer.atexit = False
+
+    @property
+    def pinned(self) -> bool:
+        return self.ring.pinned
+
+    # pinned bytes: the ring (the masters are pageable: stats()["host_arena_bytes"])
+    @property
+    def capacity_bytes(self) -> int:
+        return self.ring.nbuf * self.ring.chunk
+
+    @property
+    def used_bytes(self) -> int:
+        return self.ring.nbuf * self.ring.chunk
+
+    # ------------------------------------------------------------------ HostStore
+    def plan(self, trace: Sequence[int]) -> None:
+        """Fills follow the engine's requests, which follow the trace: nothing to schedule."""
+
+    def acquire(self, uid: int, *, block: bool = True) -> torch.Tensor | None:
+        return self.arena.slab(uid)
+
+    def release(self, uid: int, after: Any = None) -> None:
+        """The ring reuses its own buffers once their copies complete: nothing to give back."""
+
+    def master(self, uid: int) -> torch.Tensor:
+        return self.arena.master(uid)
+
+    def view(self, unit: Unit, index: int) -> torch.Tensor:
+        return self.arena.view(unit, index)
+
+    def stats(self) -> dict[str, Any]:
+        r = self.ring
+        return {
+            **self.arena.stats(),
+            "host_store": "bounce",
+            "host_store_reason": self.reason,
+            "pinned_limit_bytes": self.limit,
+            "bounce_ring_bytes": r.nbuf * r.chunk,
+            "bounce_chunk_bytes": r.chunk,
+            "bounce_threads": len(r.threads) - 1,
+            "bounce_pinned": r.pinned,
+            "bounce_fill_bytes": r.fill_bytes,
+            # bytes per second of the threads' own memcpy time, summed over threads
+            "bounce_fill_gbps": r.fill_bytes / r.fill_s / 1e9 if r.fill_s > 0 else 0.0,
+            "bounce_wait_ms": r.wait_s * 1e3,
+        }
+
+    def close(self) -> None:
+        self._finalizer()
+        self.arena.close()
+
+    # ------------------------------------------------------------------ the copies (transfer.py)
+    def request(self, src: torch.Tensor) -> _Job:
+        return self.ring.request(src)
+
+    def copy(self, job: _Job, dst: torch.Tensor, stream: Any) -> None:
+        self.ring.copy(job, dst, stream)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        self.ring.post(fn)
+
+    def pending(self) -> Pending:
+        return Pending(self.ring)
+
+    def drain(self) -> None:
+        self.ring.drain()

@@ -1,0 +1,155 @@
+"""The bounce store (bounce.py): pageable masters copied through a small pinned ring by threads.
+
+On the CPU the same ring, threads and chunk order run with synchronous copies: results are
+compared bitwise with resident runs on the tricky trees, with a ring of a few 4 KiB buffers so
+every unit is several chunks and every buffer is reused many times per pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core.bounce as bounce
+from offload_core import OffloadConfigError, enable_offload
+from offload_core.bounce import BounceError
+from offload_core_test_models import CASES, TREES, assert_bitwise, assert_traces_equal, infer, make_optimizer, reference, train
+
+LIMIT = "16KiB"  # 4 buffers of 4 KiB (the chunk below): smaller than every test model
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bounce, "DEFAULT_CHUNK", 4096)
+    monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
+
+
+def _bounce_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("bounce-")]
+
+
+def _mlp(n: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(n)])
+
+
+@pytest.mark.parametrize("name", TREES + ["mha"])
+def test_inference_through_the_ring_matches_resident(name: str) -> None:
+    case = CASES[name]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    ref = infer(case, a)
+    h = enable_offload(b, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT, num_copy_threads=3)
+    st = h.stats()
+    assert st["host_store"] == "bounce", st["host_store"]
+    got = infer(case, b)
+    assert_bitwise(ref, got, f"{name} output")
+    st = h.stats()
+    assert st["bounce_fill_bytes"] >= st["h2d_bytes"] > 0
+    h.remove()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+@pytest.mark.parametrize("name", ["toy", "tied", "batchnorm", "hetero"])
+def test_training_through_the_ring_matches_resident(name: str, checkpointing: bool) -> None:
+    case = CASES[name]
+    a = case.build("adapter", checkpointing=checkpointing)
+    b = copy.deepcopy(a)
+    ref, _ = reference(case, a, mode="adapter", checkpointing=checkpointing, steps=6)
+    opt = make_optimizer(b)
+    h = enable_offload(b, target_device="cpu", offload_granularity="leaf", pinned_limit=LIMIT, num_copy_threads=2)
+    assert h.stats()["host_store"] == "bounce"
+    got = train(case, b, opt, steps=6)
+    assert_traces_equal(ref, got)
+    h.remove()
+
+
+def test_units_span_many_chunks_and_buffers_are_reused() -> None:
+    m = _mlp()
+    x = torch.randn(3, 64)
+    ref = m(x)
+    h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
+    for _ in range(3):
+        assert torch.equal(m(x), ref)
+    st = h.stats()
+    unit_bytes = (64 * 128 + 128 + 128 * 64 + 64) * 4
+    assert st["bounce_chunk_bytes"] == 4096 and unit_bytes > 8 * 4096  # each unit: many chunks
+    assert st["bounce_fill_bytes"] > 4 * st["bounce_ring_bytes"]  # the ring went round many times
+    h.remove()
+    assert torch.equal(m(x), ref)
+
+
+def test_the_arena_is_kept_when_it_fits_under_the_limit() -> None:
+    m = _mlp(2)
+    h = enable_offload(m, target_device="cpu", pinned_limit="64MiB")
+    assert h.stats()["host_store"] == "arena"
+    h.remove()
+
+
+def test_the_environment_caps_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bounce.PINNED_LIMIT_ENV, "16KiB")
+    m = _mlp(2)
+    x = torch.randn(2, 64)
+    ref = m(x)
+    h = enable_offload(m, target_device="cpu", pinned_limit="64MiB")
+    st = h.stats()
+    assert st["host_store"] == "bounce" and st["pinned_limit_bytes"] == 16 << 10
+    assert "pinned_limit" in st["host_store_reason"]
+    assert torch.equal(m(x), ref)
+    h.remove()
+
+
+def test_threads_end_on_remove_and_when_the_engine_is_dropped() -> None:
+    before = len(_bounce_threads())
+    m = _mlp()
+    x = torch.randn(2, 64)
+    h = enable_offload(m, target_device="cpu", pinned_limit=LIMIT, num_copy_threads=4)
+    m(x)
+    assert len(_bounce_threads()) == before + 5  # 4 fill threads and the issuer
+    h.remove()
+    assert len(_bounce_threads()) == before
+    # dropped without remove(): the model and the engine go, and so do the threads
+    m2 = _mlp()
+    enable_offload(m2, target_device="cpu", pinned_limit=LIMIT, num_copy_threads=4)
+    m2(x)
+    assert len(_bounce_threads()) == before + 5
+    del m2
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name.startswith("bounce-")]:
+        t.join(timeout=5)
+    assert len(_bounce_threads()) == before
+
+
+def test_a_failing_fill_thread_is_a_named_error_at_the_next_use() -> None:
+    m = _mlp()
+    x = torch.randn(2, 64)
+    h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
+    m(x)
+    ring = h.engine.store.ring
+
+    def broken(dst: int, src: int, n: int) -> None:
+        raise OSError("the copy failed")
+
+    ring.memmove = broken
+    with pytest.raises(BounceError, match="fill thread bounce-fill-.*OSError: the copy failed"):
+        for _ in range(4):  # within a pass: every unit is loaded anew each pass
+            m(x)
+    with pytest.raises(BounceError):
+        m(x)  # and stays failed, never a hang
+    h.remove()
+
+
+@pytest.mark.parametrize("value, match", [("lots", "pinned_limit"), ("1KiB", "at least 16KiB"), (-1, "pinned_limit")])
+def test_a_bad_pinned_limit_is_named(value: object, match: str) -> None:
+    with pytest.raises(OffloadConfigError, match=match):
+        enable_offload(_mlp(1), target_device="cpu", pinned_limit=value)
+
+
+def test_a_bad_thread_count_is_named() -> None:
+    with pytest.raises(OffloadConfigError, match="num_copy_threads"):
+        enable_offload(_mlp(1), target_device="cpu", pinned_limit=LIMIT, num_copy_threads=0)
