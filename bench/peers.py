@@ -194,6 +194,7 @@ def variants_for(wl: Workload) -> list[Variant]:
     if wl.name in ("p1", "flux-dev-lora-8g"):
         # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
         out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))
+        out.append(ours_variant("ours-bounce-t8", pinned_limit="256MiB", num_copy_threads=8))
     if wl.optimizer_offload:
         # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))

@@ -23,9 +23,9 @@ chunks with 16 threads, against 55.3 pinned and 7.5 pageable.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
+import queue
 import threading
 import time
 import weakref
@@ -115,7 +115,12 @@ class _Job:
 
 
 class _Ring:
-    """The pinned buffers, the fill threads and the issuer thread (none of them hold the store)."""
+    """The pinned buffers, the fill threads and the issuer thread (none of them hold the store).
+
+    Each buffer has its own condition, so a fill or a copy wakes only the (at most two) threads
+    waiting on that buffer: one shared condition woke all of them at every chunk, and their GIL
+    churn slowed the engine's own kernel launches. Work reaches the threads through SimpleQueues.
+    """
 
     def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool) -> None:
         nbuf = max(limit // chunk, _MIN_BUFFERS)
@@ -127,23 +132,25 @@ class _Ring:
         self.ptrs = [b.data_ptr() for b in self.bufs]
         self.nbuf = nbuf
         self.is_cuda = device.type == "cuda"
-        self.cv = threading.Condition()
+        self.conds = [threading.Condition(threading.Lock()) for _ in range(nbuf)]
         self.filled = [-1] * nbuf  # per buffer: the sequence number whose bytes it holds
         self.consumed = [-1] * nbuf  # per buffer: the sequence number whose copy out of it is queued
         self.events: list[Any] = [None] * nbuf  # the event after that copy
-        self.seq = 0  # the next sequence number to hand out
-        self.tasks: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, src, nbytes)
-        self.issue: collections.deque[Callable[[], None]] = collections.deque()
+        self.seq = 0  # the next sequence number to hand out (requests come from one thread at a time)
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()  # (seq, src, nbytes), or None: stop
+        self.issue: queue.SimpleQueue = queue.SimpleQueue()  # functions, or None: stop
+        self.idle = threading.Condition(threading.Lock())
+        self.posted = 0  # functions posted to the issuer, and finished by it
+        self.finished = 0
         self.error: BaseException | None = None
         self.closed = False
-        self.running = False  # the issuer thread is inside a posted function
         self.fill_bytes = 0
         self.fill_s = 0.0
-        self.wait_s = 0.0  # consumers waiting for a fill
+        self.wait_s = 0.0  # the issuer waiting for a fill
         self.memmove = ctypes.memmove
-        self.threads = [threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
+        self.fillers = [threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
                         for i in range(max(threads, 1))]
-        self.threads.append(threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True))
+        self.threads = self.fillers + [threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True)]
         for t in self.threads:
             t.start()
 
@@ -154,16 +161,26 @@ class _Ring:
         if self.closed:
             raise BounceError("bounce store: used after close()")
 
+    def _wake_all(self) -> None:
+        for c in self.conds:
+            with c:
+                c.notify_all()
+        with self.idle:
+            self.idle.notify_all()
+
     def _fail(self, exc: BaseException, where: str) -> None:
-        with self.cv:
-            if self.error is None:
-                self.error = RuntimeError(f"{where} failed: {type(exc).__name__}: {exc}")
-            self.cv.notify_all()
+        if self.error is None:
+            self.error = RuntimeError(f"{where} failed: {type(exc).__name__}: {exc}")
+        self._wake_all()
 
     def close(self) -> None:
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self.fillers:
+            self.tasks.put(None)
+        self.issue.put(None)
+        self._wake_all()
         me = threading.current_thread()
         for t in self.threads:
             if t is not me:
@@ -176,97 +193,93 @@ class _Ring:
         self.check()
         base, n = src.data_ptr(), src.numel() * src.element_size()
         chunks = [(base + o, min(self.chunk, n - o)) for o in range(0, n, self.chunk)]
-        with self.cv:
-            job = _Job(self.seq, chunks)
-            for i, (a, m) in enumerate(chunks):
-                self.tasks.append((self.seq + i, a, m))
-            self.seq += len(chunks)
-            self.cv.notify_all()
+        job = _Job(self.seq, chunks)
+        for i, (a, m) in enumerate(chunks):
+            self.tasks.put((self.seq + i, a, m))
+        self.seq += len(chunks)
         return job
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run fn on the issuer thread, after everything posted before it."""
-        with self.cv:
-            self.check()
-            self.issue.append(fn)
-            self.cv.notify_all()
+        self.check()
+        with self.idle:
+            self.posted += 1
+        self.issue.put(fn)
 
     # ------------------------------------------------------------------ fill threads
     def _fill_loop(self) -> None:
         try:
             while True:
-                with self.cv:
-                    while not self.tasks and not self.closed:
-                        self.cv.wait()
-                    if self.closed:
-                        return
-                    seq, src, n = self.tasks.popleft()
-                    b = seq % self.nbuf
-                    # the buffer's last occupant must have had its copy queued ...
+                task = self.tasks.get()
+                if task is None or self.closed or self.error is not None:
+                    return
+                seq, src, n = task
+                b = seq % self.nbuf
+                c = self.conds[b]
+                with c:  # the buffer's last occupant must have had its copy queued ...
                     while self.consumed[b] < seq - self.nbuf and not self.closed and self.error is None:
-                        self.cv.wait()
-                    if self.closed or self.error is not None:
-                        return
+                        c.wait()
                     ev = self.events[b]
-                # ... and finished (outside the lock: the wait releases the GIL)
-                if ev is not None:
+                if self.closed or self.error is not None:
+                    return
+                if ev is not None:  # ... and finished (the wait releases the GIL)
                     ev.synchronize()
                 t0 = time.perf_counter()
                 self.memmove(self.ptrs[b], src, n)
                 dt = time.perf_counter() - t0
-                with self.cv:
+                with c:
                     self.filled[b] = seq
-                    self.fill_bytes += n
-                    self.fill_s += dt
-                    self.cv.notify_all()
+                    c.notify_all()
+                self.fill_bytes += n  # statistics only: a lost update under a race is harmless
+                self.fill_s += dt
         except BaseException as exc:  # surfaced by the next wait, never a hang
             self._fail(exc, f"fill thread {threading.current_thread().name}")
 
     # ------------------------------------------------------------------ consuming
     def copy(self, job: _Job, dst: torch.Tensor, stream: Any) -> None:
-        """Copy job's chunks into ``dst`` (device bytes) as they are filled: queued on ``stream``
-        (CUDA; each buffer reused once its copy's event completes), or synchronously (no stream)."""
+        """Copy job's chunks into ``dst`` (device bytes) as they are filled: queued on ``stream``,
+        the current stream (CUDA; each buffer reused once its copy's event completes), or
+        synchronously (no stream)."""
         off = 0
         for i, (_, n) in enumerate(job.chunks):
             seq = job.first + i
             b = seq % self.nbuf
-            with self.cv:
+            c = self.conds[b]
+            with c:
                 if self.filled[b] != seq:
                     t0 = time.perf_counter()
                     while self.filled[b] != seq and self.error is None and not self.closed:
-                        self.cv.wait(0.05)
+                        c.wait()
                     self.wait_s += time.perf_counter() - t0
-                self.check()
+            self.check()
             out = dst[off: off + n]
             if stream is not None:
-                out.copy_(self.bufs[b][:n], non_blocking=True)  # on the current stream: the caller's ``stream``
-                ev = torch.cuda.Event()
+                out.copy_(self.bufs[b][:n], non_blocking=True)
+                # blocking: a fill thread waiting on it sleeps; the default event spins, and 16 spinning
+                # threads took the cores the memcpys and the engine's own thread need
+                ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             else:
                 out.copy_(self.bufs[b][:n])
                 ev = None
             off += n
-            with self.cv:
+            with c:
                 self.events[b] = ev
                 self.consumed[b] = seq
-                self.cv.notify_all()
+                c.notify_all()
 
     def _issue_loop(self) -> None:
         try:
             while True:
-                with self.cv:
-                    while not self.issue and not self.closed:
-                        self.cv.wait()
-                    if self.closed:
-                        return
-                    fn = self.issue.popleft()
-                    self.running = True
+                fn = self.issue.get()
+                if fn is None or self.closed:
+                    return
                 try:
                     fn()
                 finally:
-                    with self.cv:
-                        self.running = False
-                        self.cv.notify_all()
+                    with self.idle:
+                        self.finished += 1
+                        self.idle.notify_all()
         except BaseException as exc:
             self._fail(exc, "issuer thread")
 
@@ -274,9 +287,9 @@ class _Ring:
         """Wait until every posted unit's copies are queued (before a device sync means 'all done').
         After a failure there is nothing more to wait for: the error is the next use's to raise, and
         remove() still restores the model from the masters."""
-        with self.cv:
-            while (self.issue or self.running) and self.error is None and not self.closed:
-                self.cv.wait(0.05)
+        with self.idle:
+            while self.finished < self.posted and self.error is None and not self.closed:
+                self.idle.wait(0.05)
 
 
 def _default_threads() -> int:
@@ -338,7 +351,7 @@ class BounceStore:
             "pinned_limit_bytes": self.limit,
             "bounce_ring_bytes": r.nbuf * r.chunk,
             "bounce_chunk_bytes": r.chunk,
-            "bounce_threads": len(r.threads) - 1,
+            "bounce_threads": len(r.fillers),
             "bounce_pinned": r.pinned,
             "bounce_fill_bytes": r.fill_bytes,
             # bytes per second of the threads' own memcpy time, summed over threads
