@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "jobs"), str(REPO / "tests" / "jobs" / "cluster")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "_helpers"), str(REPO / "tests" / "jobs" / "cluster")]
 
 SPEC = {"kind": "command", "command": "true", "retry": {"max_attempts": 1}}
 

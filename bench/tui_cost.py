@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "jobs"))
+sys.path.insert(0, str(REPO / "tests" / "_helpers"))
 from jobs_helpers import WorkerProcess  # noqa: E402
 
 

@@ -58,16 +58,14 @@ def test_logs_are_offset_based_and_resumable(client: JobsClient) -> None:
     assert tail["data"].startswith("é\n")
 
 
-def test_submit_to_running_latency(client: JobsClient) -> None:
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        job = client.submit({"kind": "command", "command": "sleep 1"})
-        while client.get(job["id"])["status"] not in ("RUNNING", "SUCCEEDED", "FAILED"):
-            time.sleep(0.002)
-        samples.append(time.perf_counter() - t0)
-        client.cancel(job["id"])
-    print(f"\nsubmit->RUNNING latency: median {sorted(samples)[2] * 1000:.1f} ms, max {max(samples) * 1000:.1f} ms (target < 500 ms)")
+def test_submitted_job_reaches_running(client: JobsClient) -> None:
+    # The latency is measured by `python -m bench.api_latency`; this checks the path only.
+    job = client.submit({"kind": "command", "command": "sleep 30"})
+    deadline = time.monotonic() + 30
+    while client.get(job["id"])["status"] not in ("RUNNING", "SUCCEEDED", "FAILED") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.get(job["id"])["status"] == "RUNNING"
+    client.cancel(job["id"])
     assert client.get(job["id"])["status"] in ("CANCELLING", "CANCELLED")
 
 

@@ -1,27 +1,15 @@
 """Shared set-up for the offload_core CPU tests.
 
-tests/ has no __init__.py, so a bare `import models` could pick up another folder's models.py.
-models.py is therefore loaded by path under one unique name, which the test files import.
+The models live in tests/_helpers/offload_core_test_models.py (on sys.path through pytest's
+`pythonpath` option): a name no other folder's module shares.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
-
-_NAME = "offload_core_test_models"
-if _NAME not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(_NAME, Path(__file__).with_name("models.py"))
-    assert _spec is not None and _spec.loader is not None
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = _module
-    _spec.loader.exec_module(_module)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:

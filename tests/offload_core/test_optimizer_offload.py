@@ -21,6 +21,7 @@ import torch
 
 from offload_core import OffloadTrainingManager
 from offload_core.errors import OptimizerOverlapError
+from param_matrix import ckpt_id, matrix
 from offload_core_test_models import (
     CASES,
     assert_state_equal,
@@ -99,25 +100,31 @@ def test_default_fused_kernel_equals_fused_adamw(name: str, mode: str, accum: in
     assert st["optimizer_kernel"] == "fused" and st["optimizer_step_overlapped"]
 
 
-@pytest.mark.parametrize("accum", ACCUM)
-@pytest.mark.parametrize("checkpointing", CKPT)
-@pytest.mark.parametrize("name", ["flux", "sd3", "wan", "qwen"])
+@pytest.mark.parametrize("name,checkpointing,accum", matrix(
+    [["flux", "sd3", "wan", "qwen"], [False, True], [1, 4]],
+    {("flux", False, 4), ("flux", True, 1), ("sd3", False, 1), ("sd3", True, 4),
+     ("wan", False, 4), ("wan", True, 1), ("qwen", False, 4), ("qwen", True, 1)},
+    lambda n, c, a: f"{n}-{ckpt_id(c)}-accum{a}"))  # the whole matrix under -m slow
 def test_diffusers_lora(name: str, checkpointing: bool, accum: int) -> None:
     # every LoRA weight is streamed: the default fused kernel steps them all (reference: fused AdamW)
     _run(name, "adapter", checkpointing, accum, threshold=None, kernel="fused")
 
 
-@pytest.mark.parametrize("accum", ACCUM)
-@pytest.mark.parametrize("checkpointing", CKPT)
-@pytest.mark.parametrize("name", ["toy", "flux"])
+@pytest.mark.parametrize("name,checkpointing,accum", matrix(
+    [["toy", "flux"], [False, True], [1, 4]],
+    {("toy", False, 1), ("toy", True, 4), ("flux", False, 4), ("flux", True, 1)},
+    lambda n, c, a: f"{n}-{ckpt_id(c)}-accum{a}"))  # the whole matrix under -m slow
 def test_with_split_threshold(name: str, checkpointing: bool, accum: int) -> None:
     # DiffSynth's split mode crashes on non-leaf units; 0.01 MB forces splitting every block.
     _run(name, "full" if name == "toy" else "adapter", checkpointing, accum, threshold=0.01, kernel="fused")
 
 
-@pytest.mark.parametrize("accum", ACCUM)
-@pytest.mark.parametrize("checkpointing", CKPT)
-@pytest.mark.parametrize("name", ["tied", "called_twice", "batchnorm", "orphan_param", "hetero"])
+@pytest.mark.parametrize("name,checkpointing,accum", matrix(
+    [["tied", "called_twice", "batchnorm", "orphan_param", "hetero"], [False, True], [1, 4]],
+    {("tied", False, 1), ("tied", True, 4), ("called_twice", False, 4), ("called_twice", True, 1),
+     ("batchnorm", False, 4), ("batchnorm", True, 1), ("orphan_param", False, 4), ("orphan_param", True, 1),
+     ("hetero", False, 4), ("hetero", True, 1)},
+    lambda n, c, a: f"{n}-{ckpt_id(c)}-accum{a}"))  # the whole matrix under -m slow
 def test_tricky_tree_full_finetune(name: str, checkpointing: bool, accum: int) -> None:
     # tied weights stay resident and the user's plain AdamW steps them: the own kernel keeps it exact
     _run(name, "full", checkpointing, accum, threshold=0.01 if accum == 4 else None)

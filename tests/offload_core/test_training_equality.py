@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from offload_core import OffloadTrainingManager, enable_offload
+from param_matrix import ckpt_id, matrix
 from offload_core_test_models import (
     CASES,
     DIFFUSERS_TRAINABLE,
@@ -47,9 +48,11 @@ def test_harness_is_deterministic_without_engine() -> None:
     assert any(g is not None and g.abs().sum() > 0 for g in ta.grads[-1].values()), "LoRA got no gradient"
 
 
-@pytest.mark.parametrize("granularity", ["block", "leaf", "phase"])
-@pytest.mark.parametrize("checkpointing", CKPT)
-@pytest.mark.parametrize("name", DIFFUSERS_TRAINABLE + ["toy"])
+@pytest.mark.parametrize("name,checkpointing,granularity", matrix(
+    [DIFFUSERS_TRAINABLE + ["toy"], [False, True], ["block", "leaf", "phase"]],
+    {(n, (i + k) % 2 == 0, g) for i, n in enumerate(DIFFUSERS_TRAINABLE + ["toy"])
+     for k, g in enumerate(["block", "leaf", "phase"])},  # checkpointing alternates: a pairwise cover
+    lambda n, c, g: f"{n}-{ckpt_id(c)}-{g}"))  # the whole matrix under -m slow
 def test_lora_training_matches_resident(name: str, checkpointing: bool, granularity: str) -> None:
     case = CASES[name]
     a = case.build("adapter", checkpointing=checkpointing)

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tui_helpers import WorkerProcess, engine_job  # noqa: E402
+from tui_helpers import WorkerProcess, engine_job
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "jobs"))  # WorkerProcess, shared with the jobs tests
+from jobs_helpers import WorkerProcess  # shared with the jobs tests (tests/_helpers/)
 
-from jobs_helpers import WorkerProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 JOB_SCRIPT = REPO / "bench" / "tui_job.py"
 
