@@ -24,7 +24,7 @@ from jobs.spec_yaml import (
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
-from jobs.vocab import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
+from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
 from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [

@@ -43,7 +43,7 @@ from jobs.store_base import LeaseLost, StoreBase, db_message, reads, writes
 from jobs.store_cluster import ClusterMixin
 from jobs.store_output import OutputMixin, note_bytes as _note_bytes
 from jobs.tables import SCHEMA_VERSION, attempts_t, events_t, jobs_t, log_chunks_t, metric_rows_t, schema_version_t
-from jobs.vocab import LIVE, REASONS, STATES, TERMINAL
+from jobs.contract import LIVE, REASONS, STATES, TERMINAL
 
 __all__ = ["JobStore", "LeaseLost", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION", "SUMMARY_COLUMNS"]
 

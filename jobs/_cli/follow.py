@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from jobs.vocab import TERMINAL
+from jobs.contract import TERMINAL
 
 if TYPE_CHECKING:
     from jobs.client import JobsClient

@@ -20,7 +20,7 @@ def logs(
     """
     from jobs._cli.connect import connect, resolve_job
     from jobs._cli.follow import follow_job, read_log, tail_lines
-    from jobs.vocab import TERMINAL
+    from jobs.contract import TERMINAL
 
     client = connect()
     data = resolve_job(client, job)

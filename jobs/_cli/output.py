@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from jobs.errors import JobsError
-from jobs.vocab import ACTIVE, TERMINAL
+from jobs.contract import ACTIVE, TERMINAL
 
 if TYPE_CHECKING:
     from rich.console import Console
