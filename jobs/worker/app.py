@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import jobs
 from jobs import strict_json
+from jobs.contract import JobState
 from jobs.errors import (
     InvalidTransition, JobNotFound, JobsError, RequestTooLarge, RunDirError, SpecError, StoreError,
 )
@@ -403,7 +404,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         job = await asyncio.to_thread(store.get_job, job_id)
         if job["kind"] != "train":
             raise InvalidTransition(f"job {job['id']} is a {job['kind']} job; only train jobs take signals")
-        if job["status"] != "RUNNING":
+        if job["status"] != JobState.RUNNING:
             raise InvalidTransition(f"job {job['id']} is {job['status']}; signals reach running jobs only")
         record = {"ts": time.time(), "action": action, "attempt": job.get("attempt")}
         if store.shared and job.get("worker_id") != ident.id:  # runs elsewhere: its worker delivers it

@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from jobs.contract import JobState
 
 __all__ = ["WorkerMetrics", "TimingMiddleware"]
 
@@ -42,9 +43,9 @@ class WorkerMetrics:
         r.register(_StoreCollector(counts, running))
 
     def on_finish(self, job: dict[str, Any]) -> None:
-        status = job["status"] if job["status"] != "PENDING" else "RETRYING"
+        status = job["status"] if job["status"] != JobState.PENDING else "RETRYING"
         self.finished.labels(status, job.get("reason") or "").inc()
-        if job["status"] != "PENDING" and job.get("started_at") and job.get("finished_at"):
+        if job["status"] != JobState.PENDING and job.get("started_at") and job.get("finished_at"):
             self.duration.observe(max(0.0, job["finished_at"] - job["started_at"]))
 
     def render(self) -> bytes:
