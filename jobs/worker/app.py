@@ -46,7 +46,7 @@ from jobs.store import TERMINAL, JobStore
 from jobs.worker.auth import AuthMiddleware, BodyLimitMiddleware, allowed_hosts
 from jobs.worker.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, Heartbeat
 from jobs.worker.inventory import Gpu, WorkerIdentity, boot_id, detect_gpus, gpu_usage, slurm_available, worker_id_for
-from jobs.worker.metrics import TimingMiddleware, WorkerMetrics
+from jobs.worker.metrics import TimingMiddleware, WorkerMetrics, live_jobs
 from jobs.worker.scheduler import Scheduler
 
 __all__ = ["create_app", "EventBus", "open_store"]
@@ -192,7 +192,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         from jobs.worker.listen import Listener
 
         listener = Listener(store.url, sched.wake, bus.notify)
-    metrics = WorkerMetrics(store.counts, lambda: len(sched.running))
+    metrics = WorkerMetrics(store.counts, lambda: len(sched.running), lambda: live_jobs(store, list(sched.running)))
     sched.on_finish = metrics.on_finish
     sched.on_start = lambda job: metrics.queue_wait.observe(max(0.0, time.time() - job["created_at"]))
 
