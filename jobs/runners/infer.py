@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from jobs.contract import Metric, StepMetrics, engine_stats
+from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
@@ -150,7 +150,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
         records.append(rec)
         row = StepMetrics(step=n + 1, total_steps=len(prompts), seconds=seconds, host_rss_bytes=watch.sample(),
                           host_total_bytes=watch.total)
-        metrics.write({**row, **engine_stats(stats)})  # every stat the screens chart (hit rate, disk GB/s, ...)
+        metrics.write_step(row, stats)  # every stat the screens chart (hit rate, disk GB/s, ...)
         print(f"[{n + 1}/{len(prompts)}] {p.prompt!r} seed {p.seed} -> {(files[0].parent if family.is_video else files[0]).name} ({seconds:.1f}s)", flush=True)
     rnd.contact_sheet(sheet, outputs / "contact_sheet.png")
     params = {"family": family.name, "model": str(model_dir), "dtype": str(dtype).removeprefix("torch."),

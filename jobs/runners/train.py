@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jobs.contract import Metric, StepMetrics, engine_stats
+from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
 from jobs.runners.checkpoint import CheckpointStore
 from jobs.runners.controls import Controls
@@ -315,7 +315,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                              step_seconds=time.perf_counter() - t_step,
                              eta_seconds=(total - step) / rate if rate > 0 else None, host_rss_bytes=watch.sample(),
                              host_total_bytes=watch.total)
-        metrics.write({**record, **engine_stats(loaded.stats())})
+        metrics.write_step(record, loaded.stats())
         bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
         bar.update(1)
 
