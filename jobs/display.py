@@ -12,10 +12,10 @@ import math
 import time
 from typing import Any
 
-from jobs.contract import JobState
+from jobs.contract import JobState, Metric
 
 __all__ = ["num", "fmt_bytes", "fmt_pct", "fmt_num", "fmt_age", "fmt_duration", "fmt_ratio_bytes", "STATUS_STYLE",
-           "STATUS_ANSI", "status_markup"]
+           "STATUS_ANSI", "status_markup", "progress_line"]
 
 # Rich style of each state (tables, the detail screen, `show`), and the same as ANSI codes for the
 # plain-text `ps` table.
@@ -125,3 +125,18 @@ def status_markup(status: str | None, reason: str | None = None) -> str:
     if reason and status != JobState.SUCCEEDED:
         text += f" [dim]({reason})[/]"
     return text
+
+
+def progress_line(m: Any) -> str:
+    """A job's progress from a metrics row: 'step 6/30  loss 0.1318  8.66 it/s  ETA 2.8s' (what it has)."""
+    if not isinstance(m, dict) or m.get(Metric.step) is None:
+        return ""
+    total = m.get(Metric.total_steps)
+    parts = [f"step {fmt_num(m.get(Metric.step))}" + (f"/{fmt_num(total)}" if total is not None else "")]
+    if Metric.loss in m:
+        parts.append(f"loss {fmt_num(m.get(Metric.loss), 4)}")
+    if m.get(Metric.it_s) is not None:
+        parts.append(f"{fmt_num(m.get(Metric.it_s), 3)} it/s")
+    if m.get(Metric.eta_seconds) is not None:
+        parts.append(f"ETA {fmt_duration(m.get(Metric.eta_seconds))}")
+    return "  ".join(parts)

@@ -2,7 +2,7 @@
 rows that every reader can draw, with the names of jobs/contract.py.
 
 The rows go to the dashboard's history (tui/history.py) and detail summary, to the HTML report
-(through the worker's HTTP API) and to the Prometheus exporter's job gauges; the detail screen of
+(through the worker's HTTP API), `show`'s progress row and the Prometheus exporter's job gauges; the detail screen of
 each finished job is then opened in the real dashboard (Textual's Pilot) against the same worker.
 Before the contract, a real train job's ETA showed "-" (the screen read eta_s, the runner wrote
 eta_seconds), an infer job's hit-rate chart was empty and disk GB/s was never forwarded.
@@ -154,6 +154,17 @@ def test_the_report_draws_every_chart_and_the_plan(worker: Any, jobs_done: dict[
             assert "no data in this job" not in body, f"{name}: the report's {title!r} chart is empty"
             assert "<polyline" in body or "<circle" in body, f"{name}: {title!r}"
     assert re.search(r"disk [\d.]+ GB/s", pages["lazy"])
+
+
+def test_show_draws_the_progress_of_a_running_train_job(jobs_done: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+
+    from jobs._cli.output import job_detail
+
+    job = jobs_done["train"]
+    console = Console(record=True, width=200, color_system=None)
+    console.print(job_detail({**job, "last_metrics": _steps(job)[-1]}))  # the row a running job's `show` reads
+    assert re.search(rf"progress +step {TRAIN_STEPS}/{TRAIN_STEPS}  loss [\d.]+  [\d.]+ it/s  ETA \d", console.export_text())
 
 
 def test_the_prometheus_exporter_reads_the_contract(jobs_done: dict[str, dict[str, Any]]) -> None:

@@ -30,6 +30,7 @@ ALLOWED = {
     ("jobs/runners/infer.py", "seconds"): "params.json's per-image record, not a metrics row",
     ("jobs/_cli/shard.py", "seconds"): "the shard result's field",
     ("tui/screens/jobs.py", "progress"): "the jobs table's column key",
+    ("jobs/_cli/output.py", "progress"): "a row label of `offload-jobs show`",
     ("jobs/store_base.py", "epoch"): "SQL's extract(epoch from ...)",
     ("jobs/_cli/workers.py", "RUNNING"): "a column header of `offload-jobs workers`",
     ("jobs/executors/slurm.py", "PENDING"): "Slurm's own job state (squeue/sacct), not ours",
