@@ -3,7 +3,8 @@
 A few Linear blocks, LoRA-style (frozen weights streamed by the engine, one trainable head), each
 step writing the engine's real `stats()` plus step, loss, lr, it_s, eta_seconds and host memory to
 $OFFLOAD_JOBS_METRICS through the runners' records (jobs/contract.py: it cannot drift from them), at
-up to `--rate` rows a second. `--samples` writes PNGs under outputs/samples and a checkpoint with a completion marker; `--nan-from` makes the loss NaN from that step on.
+up to `--rate` rows a second. `--samples` writes PNGs under outputs/samples and a checkpoint with a
+completion marker; `--nan-from` makes the loss NaN from that step on.
 
     python bench/tui_job.py --steps 50 --rate 10 --samples
 """
