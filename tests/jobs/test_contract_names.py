@@ -85,3 +85,20 @@ def test_every_allowance_is_still_needed() -> None:
         rel = path.relative_to(REPO).as_posix()
         used |= {(rel, v) for _, v in literals(path) if (rel, v) in ALLOWED}
     assert set(ALLOWED) - used == set()
+
+
+def test_the_contract_speaks_plain_strings() -> None:
+    # Rows come back from SQLite/Postgres and JSON as plain str: members must equal, hash and encode as them.
+    import json
+
+    import pytest
+
+    from jobs.contract import ENGINE_STATS, RETRYABLE, TERMINAL, JobState, Metric, Reason, StepMetrics
+
+    assert "FAILED" in TERMINAL and JobState.FAILED == "FAILED" and f"{Reason.WORKER_LOST}" == "worker_lost"
+    assert json.dumps({"s": JobState.RUNNING, "r": [Reason.TIMEOUT]}) == '{"s": "RUNNING", "r": ["timeout"]}'
+    assert "cancelled" not in RETRYABLE and "worker_lost" in RETRYABLE
+    assert Metric.eta_seconds == "eta_seconds" and "eta_seconds" in Metric
+    with pytest.raises(AttributeError, match="eta_s"):
+        Metric.eta_s  # noqa: B018 - the name the dashboard once read: a typo is an error, not a blank ETA
+    assert set(Metric) == set(StepMetrics.__annotations__) | set(ENGINE_STATS)
