@@ -189,6 +189,31 @@ def test_the_prometheus_exporter_reads_the_contract(jobs_done: dict[str, dict[st
     assert disk and float(disk.group(1)) == pytest.approx(live[1]["last_metrics"][Metric.disk_gbps] * 1e9)
 
 
+def test_the_worker_exports_a_running_jobs_metrics_over_http(worker: Any) -> None:
+    # The dashboard's stand-in job (bench/tui_job.py, the engine on the CPU) writes through the contract
+    # too; while it runs, the worker's /metrics carries its last row under the exporter's names.
+    import httpx
+
+    spec = {"kind": "command", "name": "contract-live", "workdir": str(REPO), "limits": {"stop_grace": 2},
+            "command": [sys.executable, str(REPO / "bench" / "tui_job.py"), "--steps", "400", "--rate", "5"]}
+    with worker.client() as c:
+        jid = c.submit(spec)["id"]
+        try:
+            deadline, text = time.monotonic() + 120, ""
+            while time.monotonic() < deadline:
+                text = httpx.get(f"{worker.url}/metrics", headers={"Authorization": f"Bearer {worker.token}"}).text
+                if f'offload_jobs_job_eta_seconds{{job="{jid}",kind="command"}}' in text:
+                    break
+                time.sleep(0.5)
+            for exported in ("step", "total_steps", "loss", "steps_per_second", "eta_seconds", "host_rss_bytes",
+                             "cache_hits", "h2d_bytes_per_second", "stall_seconds"):
+                assert re.search(rf'^offload_jobs_job_{exported}{{job="{jid}",kind="command"}} \d', text, re.M), exported
+            assert re.search(rf'^offload_jobs_job_total_steps{{job="{jid}",kind="command"}} 400.0$', text, re.M)
+        finally:
+            c.cancel(jid)
+            c.wait(jid, timeout=60)
+
+
 async def test_the_detail_screen_of_real_jobs(worker: Any, jobs_done: dict[str, dict[str, Any]]) -> None:
     from jobs.client import JobsClient
     from tui.app import DashboardApp
