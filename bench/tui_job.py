@@ -1,9 +1,10 @@
 """A tiny real training job for the dashboard's tests and cost bench: the engine on the CPU.
 
 A few Linear blocks, LoRA-style (frozen weights streamed by the engine, one trainable head), each
-step writing the engine's real `stats()` plus step, loss, lr, it_s, eta_s and host_rss_bytes to
-$OFFLOAD_JOBS_METRICS, at up to `--rate` rows a second. `--samples` writes PNGs under outputs/samples
-and a checkpoint with a completion marker; `--nan-from` makes the loss NaN from that step on.
+step writing the engine's real `stats()` plus step, loss, lr, it_s, eta_seconds and host memory to
+$OFFLOAD_JOBS_METRICS through the runners' records (jobs/contract.py: it cannot drift from them), at
+up to `--rate` rows a second. `--samples` writes PNGs under outputs/samples and a checkpoint with a
+completion marker; `--nan-from` makes the loss NaN from that step on.
 
     python bench/tui_job.py --steps 50 --rate 10 --samples
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jobs.contract import Metric, StepMetrics, engine_stats
 from offload_core import enable_offload
 
 
@@ -56,9 +58,9 @@ def main() -> int:
     try:
         import psutil
 
-        proc = psutil.Process()
+        proc, host_total = psutil.Process(), psutil.virtual_memory().total
     except ImportError:
-        proc = None
+        proc, host_total = None, None
     t0 = time.monotonic()
     for step in range(1, a.steps + 1):
         x = torch.randn(16, a.width, generator=torch.Generator().manual_seed(step))
@@ -67,17 +69,17 @@ def main() -> int:
         opt.step()
         opt.zero_grad()
         elapsed = time.monotonic() - t0
-        st = handle.stats()
-        st.pop("units", None)
-        row = {"step": step, "total_steps": a.steps, "loss": float(loss.detach()), "lr": 1e-2,
-               "it_s": step / elapsed if elapsed else None, "eta_s": (a.steps - step) * elapsed / step,
-               "host_rss_bytes": proc.memory_info().rss if proc else None, **st}
+        st = engine_stats(handle.stats())
+        row = {**StepMetrics(step=step, total_steps=a.steps, loss=float(loss.detach()), lr=1e-2,
+                             it_s=step / elapsed if elapsed else None, eta_seconds=(a.steps - step) * elapsed / step,
+                             host_rss_bytes=proc.memory_info().rss if proc else None,
+                             host_total_bytes=host_total), **st}
         if a.nan_from and step >= a.nan_from:
-            row["loss"] = float("nan")
+            row[Metric.loss] = float("nan")
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
         if step % a.log_every == 0:
-            print(f"step {step}/{a.steps} loss {row['loss']:.5f} h2d {st['h2d_gbps']:.3f} GB/s", flush=True)
+            print(f"step {step}/{a.steps} loss {row[Metric.loss]:.5f} h2d {st[Metric.h2d_gbps]:.3f} GB/s", flush=True)
         if a.samples and step % max(1, a.steps // 2) == 0:
             (out / "samples").mkdir(parents=True, exist_ok=True)
             png(out / "samples" / f"step-{step:05d}.png", 32, 32, step)

@@ -40,7 +40,7 @@ from jobs.errors import (
     AuthError, InvalidTransition, JobNotFound, JobsError, RequestTooLarge, SpecError, StoreError, WorkerUnreachable,
 )
 from jobs.home import DEFAULT_URL, read_token, read_worker_info, state_home
-from jobs.vocab import TERMINAL
+from jobs.contract import TERMINAL
 
 __all__ = ["JobsClient", "TERMINAL_STATES"]
 

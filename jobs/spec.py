@@ -24,7 +24,8 @@ from jobs.spec_yaml import (
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
-from jobs.vocab import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
+from jobs import contract
+from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
 from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
@@ -229,7 +230,7 @@ class ResourcesSpec(_Strict):
 
 class RetrySpec(_Strict):
     max_attempts: int = Field(3, ge=1, le=1000, description="Attempts in total, the first included.")
-    on: list[Reason] = Field(default_factory=lambda: ["worker_lost"], description="Reasons that trigger a retry.")
+    on: list[Reason] = Field(default_factory=lambda: [contract.Reason.WORKER_LOST.value], description="Reasons that trigger a retry.")
 
 
 class LimitsSpec(_Strict):
@@ -272,7 +273,7 @@ class JobSpec(_Strict):
             raise _FieldError("model.path", f"a {self.kind} job needs `model.path`")
         if self.resources.min_vram and self.gpus == 0:
             raise _FieldError("resources.min_vram", "needs a GPU job: set resources.gpus too")
-        if "cancelled" in self.retry.on:
+        if contract.Reason.CANCELLED in self.retry.on:
             raise _FieldError("retry.on", "a cancelled job is never retried; remove `cancelled`")
         env_bytes = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) + 2 for k, v in self.env.items())
         cmd = self.command if isinstance(self.command, list) else [self.command or ""]

@@ -43,7 +43,7 @@ from jobs.store_base import LeaseLost, StoreBase, db_message, reads, writes
 from jobs.store_cluster import ClusterMixin
 from jobs.store_output import OutputMixin, note_bytes as _note_bytes
 from jobs.tables import SCHEMA_VERSION, attempts_t, events_t, jobs_t, log_chunks_t, metric_rows_t, schema_version_t
-from jobs.vocab import LIVE, REASONS, STATES, TERMINAL
+from jobs.contract import JobState, LIVE, REASONS, Reason, STATES, TERMINAL
 
 __all__ = ["JobStore", "LeaseLost", "STATES", "TERMINAL", "LIVE", "REASONS", "SCHEMA_VERSION", "SUMMARY_COLUMNS"]
 
@@ -54,7 +54,7 @@ _JOB_COLS = [c for c in jobs_t.c]
 SUMMARY_COLUMNS = ("id", "name", "kind", "status", "reason", "message", "priority", "gpus", "attempt",
                    "max_attempts", "run_dir", "created_at", "started_at", "finished_at", "exit_code", "worker_id")
 _JSON_COLS = ("spec", "last_metrics")
-_HELD = ("STARTING", "RUNNING")  # attempt statuses of a live attempt
+_HELD = (JobState.STARTING, JobState.RUNNING)  # attempt statuses of a live attempt
 
 _writes, _reads = writes, reads
 
@@ -97,13 +97,13 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
                 conn.execute(select(func.pg_advisory_xact_lock(0x0FF10AD3)))
             seq = (conn.execute(select(func.max(jobs_t.c.seq))).scalar() or 0) + 1
             conn.execute(insert(jobs_t).values(
-                id=job_id, seq=seq, name=name, kind=kind, status="PENDING", priority=priority, gpus=gpus,
+                id=job_id, seq=seq, name=name, kind=kind, status=JobState.PENDING, priority=priority, gpus=gpus,
                 attempt=0, max_attempts=max_attempts, spec=strict_json.dumps(spec), created_at=now,
                 run_dir=run_dir_for(job_id) if run_dir_for else None, min_vram=int(min_vram or 0),
                 executor=executor,
             ))
             self.notify_queue(conn)
-            self._event(conn, job_id, "job.created", {"status": "PENDING", "name": name, "kind": kind, "attempt": 0})
+            self._event(conn, job_id, "job.created", {"status": JobState.PENDING, "name": name, "kind": kind, "attempt": 0})
             return self._get(conn, job_id)
 
     @staticmethod
@@ -199,12 +199,12 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             return None
         # One statement: the best candidate, skipping rows another worker is claiming (Postgres), moved
         # to STARTING only if still PENDING. The (status, priority DESC, seq) index serves the order.
-        cand = (select(c.id).where(c.status == "PENDING", or_(*fits))
+        cand = (select(c.id).where(c.status == JobState.PENDING, or_(*fits))
                 .order_by(c.priority.desc(), c.seq).limit(1))
         if not self.is_sqlite:
             cand = cand.with_for_update(skip_locked=True)
         run_dir = literal(run_root.rstrip("/") + "/", String) + c.id if run_root else None
-        values: dict[str, Any] = dict(status="STARTING", attempt=c.attempt + 1, reason=None, message=None,
+        values: dict[str, Any] = dict(status=JobState.STARTING, attempt=c.attempt + 1, reason=None, message=None,
                                       exit_code=None, finished_at=None)
         if worker_id is not None:
             values["worker_id"] = worker_id
@@ -212,16 +212,16 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             values["run_dir"] = run_dir
         now = time.time()
         with self.engine.begin() as conn:
-            row = conn.execute(update(jobs_t).where(c.id == cand.scalar_subquery(), c.status == "PENDING")
+            row = conn.execute(update(jobs_t).where(c.id == cand.scalar_subquery(), c.status == JobState.PENDING)
                                .values(**values).returning(*_JOB_COLS)).mappings().first()
             if row is None:
                 return None  # nothing fits, or another worker won the race
             job = _job_dict(row)
             lease = self.now_expr() + lease_s if lease_s else None
             res = conn.execute(insert(attempts_t).values(
-                job_id=job["id"], number=job["attempt"], status="STARTING", started_at=now, worker_id=worker_id,
+                job_id=job["id"], number=job["attempt"], status=JobState.STARTING, started_at=now, worker_id=worker_id,
                 lease_until=lease, run_dir=job["run_dir"] if run_root else None).returning(attempts_t.c.lease_until))
-            data: dict[str, Any] = {"status": "STARTING", "attempt": job["attempt"]}
+            data: dict[str, Any] = {"status": JobState.STARTING, "attempt": job["attempt"]}
             if worker_id is not None:
                 data["worker_id"] = worker_id
             self._event(conn, job["id"], "job.status", data)
@@ -244,18 +244,18 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         with self.engine.begin() as conn:
             self.lock_job(conn, job_id)
             a = attempts_t.c
-            cond = [a.job_id == job_id, a.number == number, a.status == "STARTING"]
+            cond = [a.job_id == job_id, a.number == number, a.status == JobState.STARTING]
             if worker_id is not None:
                 cond.append(a.worker_id == worker_id)
             res = conn.execute(update(attempts_t).where(*cond).values(
-                status="RUNNING", executor=executor, pid=pid, pgid=pgid, worker_pid=worker_pid,
+                status=JobState.RUNNING, executor=executor, pid=pid, pgid=pgid, worker_pid=worker_pid,
                 handle=strict_json.dumps(handle) if handle else None, started_at=now))
             if res.rowcount != 1:
                 raise LeaseLost(f"job {job_id} attempt {number} is no longer held here")
-            res = conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.status == "STARTING",
-                                                    jobs_t.c.attempt == number).values(status="RUNNING", started_at=now))
+            res = conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.status == JobState.STARTING,
+                                                    jobs_t.c.attempt == number).values(status=JobState.RUNNING, started_at=now))
             if res.rowcount == 1:
-                data: dict[str, Any] = {"status": "RUNNING", "attempt": number, "pid": pid}
+                data: dict[str, Any] = {"status": JobState.RUNNING, "attempt": number, "pid": pid}
                 if worker_id is not None:
                     data["worker_id"] = worker_id
                 self._event(conn, job_id, "job.status", data)
@@ -300,8 +300,8 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         """
         with self.engine.begin() as conn:
             self.lock_job(conn, job_id)
-            cancelling = conn.execute(select(jobs_t.c.status).where(jobs_t.c.id == job_id)).scalar() == "CANCELLING"
-            status, reason = ("CANCELLED", "cancelled") if cancelling else ("FAILED", "worker_lost")
+            cancelling = conn.execute(select(jobs_t.c.status).where(jobs_t.c.id == job_id)).scalar() == JobState.CANCELLING
+            status, reason = (JobState.CANCELLED, Reason.CANCELLED) if cancelling else (JobState.FAILED, Reason.WORKER_LOST)
             job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=None,
                                        message=None if cancelling else message, requeue=None, retry_on=retry_on,
                                        never_ran=never_ran, worker_id=None, only_if_expired=True, output=None,
@@ -328,14 +328,14 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             self._append_output(conn, job_id, number, output.get("log") or b"", output.get("metrics") or [])
         if note:
             self._append_output(conn, job_id, number, _note_bytes(conn, job_id, note), [])
-        cancelling = job["status"] == "CANCELLING"
+        cancelling = job["status"] == JobState.CANCELLING
         if requeue is None:
             if never_ran:
                 requeue = not cancelling
             else:
-                requeue = (status == "FAILED" and reason in set(retry_on) and not cancelling
+                requeue = (status == JobState.FAILED and reason in set(retry_on) and not cancelling
                            and number < job["max_attempts"])
-        job_status = "PENDING" if requeue else status
+        job_status = JobState.PENDING if requeue else status
         values: dict[str, Any] = dict(status=job_status, reason=reason, exit_code=exit_code, message=message,
                                       finished_at=None if requeue else now)
         if requeue and never_ran:
@@ -359,17 +359,17 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             jid, status = job["id"], job["status"]
             if status in TERMINAL:
                 raise InvalidTransition(f"job {jid} is already {status}; nothing to cancel")
-            if status == "CANCELLING":
+            if status == JobState.CANCELLING:
                 return job
-            if status == "PENDING":
-                conn.execute(update(jobs_t).where(jobs_t.c.id == jid, jobs_t.c.status == "PENDING").values(
-                    status="CANCELLED", reason="cancelled", finished_at=now))
-                self._event(conn, jid, "job.status", {"status": "CANCELLED", "reason": "cancelled", "attempt": job["attempt"]})
+            if status == JobState.PENDING:
+                conn.execute(update(jobs_t).where(jobs_t.c.id == jid, jobs_t.c.status == JobState.PENDING).values(
+                    status=JobState.CANCELLED, reason=Reason.CANCELLED, finished_at=now))
+                self._event(conn, jid, "job.status", {"status": JobState.CANCELLED, "reason": Reason.CANCELLED, "attempt": job["attempt"]})
             else:
-                conn.execute(update(jobs_t).where(jobs_t.c.id == jid, jobs_t.c.status.in_(["STARTING", "RUNNING"])).values(
-                    status="CANCELLING"))
+                conn.execute(update(jobs_t).where(jobs_t.c.id == jid, jobs_t.c.status.in_([JobState.STARTING, JobState.RUNNING])).values(
+                    status=JobState.CANCELLING))
                 self.notify_queue(conn)  # the worker holding it wakes and stops it
-                self._event(conn, jid, "job.status", {"status": "CANCELLING", "attempt": job["attempt"]})
+                self._event(conn, jid, "job.status", {"status": JobState.CANCELLING, "attempt": job["attempt"]})
             return self._get(conn, jid)
 
     @_writes
@@ -377,12 +377,12 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         """Re-queue a FAILED or CANCELLED job with `extra_attempts` more attempts."""
         with self.engine.begin() as conn:
             job = self._get(conn, job_id, prefix=True)
-            if job["status"] not in ("FAILED", "CANCELLED"):
+            if job["status"] not in (JobState.FAILED, JobState.CANCELLED):
                 raise InvalidTransition(f"job {job['id']} is {job['status']}; only FAILED or CANCELLED jobs can be retried")
             conn.execute(update(jobs_t).where(jobs_t.c.id == job["id"]).values(
-                status="PENDING", finished_at=None, max_attempts=job["attempt"] + extra_attempts))
+                status=JobState.PENDING, finished_at=None, max_attempts=job["attempt"] + extra_attempts))
             self.notify_queue(conn)
-            self._event(conn, job["id"], "job.status", {"status": "PENDING", "attempt": job["attempt"], "manual_retry": True})
+            self._event(conn, job["id"], "job.status", {"status": JobState.PENDING, "attempt": job["attempt"], "manual_retry": True})
             return self._get(conn, job["id"])
 
     @_writes

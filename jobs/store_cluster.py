@@ -21,12 +21,13 @@ from typing import Any
 from sqlalchemy import insert, select, update
 
 from jobs import strict_json
+from jobs.contract import JobState
 from jobs.store_base import LeaseLost, reads, writes
 from jobs.tables import attempts_t, jobs_t, workers_t
 
 __all__ = ["ClusterMixin"]
 
-_HELD = ("STARTING", "RUNNING")
+_HELD = (JobState.STARTING, JobState.RUNNING)
 
 
 class ClusterMixin:

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, func, insert, select, update
 
 from jobs import strict_json
+from jobs.contract import JobState
 from jobs.store_base import LeaseLost, reads, writes
 from jobs.tables import attempts_t, jobs_t, log_chunks_t, metric_rows_t
 
@@ -39,7 +40,7 @@ class OutputMixin:
             self.lock_job(conn, job_id)  # type: ignore[attr-defined]
             a = attempts_t.c
             held = conn.execute(select(a.id).where(a.job_id == job_id, a.number == number, a.worker_id == worker_id,
-                                                   a.status.in_(("STARTING", "RUNNING")))).first()
+                                                   a.status.in_((JobState.STARTING, JobState.RUNNING)))).first()
             if held is None:
                 raise LeaseLost(f"job {job_id} attempt {number} is no longer held by {worker_id}")
             self._append_output(conn, job_id, number, log, metrics or [])

@@ -18,6 +18,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from jobs.client import JobsClient
+from jobs.contract import JobState
 from tui.feed import ConnectionState, JobsSnapshot, MetricRows, WorkerEvent, WorkerFeed
 
 __all__ = ["DashboardApp", "main"]
@@ -153,9 +154,9 @@ class DashboardApp(App):
                 job[key] = ev[key]
         if ev.get("type") == "job.status":
             job["reason"] = ev.get("reason")
-            if ev.get("status") == "RUNNING":
+            if ev.get("status") == JobState.RUNNING:
                 job["started_at"] = ev.get("ts")
-            if ev.get("status") in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            if ev.get("status") in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
                 job["finished_at"] = ev.get("ts")
         self.touch(job_id)
 

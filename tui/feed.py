@@ -27,13 +27,14 @@ from typing import Any, Callable
 from textual.message import Message
 
 from jobs.client import TERMINAL_STATES, JobsClient
+from jobs.contract import TERMINAL, JobState
 from jobs.errors import AuthError, JobsError, WorkerUnreachable
 
 __all__ = ["WorkerFeed", "MetricsTail", "JobsSnapshot", "WorkerEvent", "ConnectionState", "MetricRows",
            "ACTIVE_STATES"]
 
-ACTIVE_STATES = ("PENDING", "STARTING", "RUNNING", "CANCELLING")
-LIVE_STATES = ("STARTING", "RUNNING", "CANCELLING")
+ACTIVE_STATES = (JobState.PENDING, JobState.STARTING, JobState.RUNNING, JobState.CANCELLING)
+LIVE_STATES = (JobState.STARTING, JobState.RUNNING, JobState.CANCELLING)
 ClientFactory = Callable[[], JobsClient]
 Post = Callable[[Message], Any]
 

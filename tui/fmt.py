@@ -1,64 +1,12 @@
-"""Formatting for the dashboard: sizes, rates, ages and numbers that may be missing or NaN."""
+"""Formatting for the dashboard: the shared formatters of jobs/display.py, and chart values in their unit."""
 
 from __future__ import annotations
 
 import math
-import time
-from typing import Any
+
+from jobs.display import fmt_age, fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_ratio_bytes, num
 
 __all__ = ["num", "fmt_bytes", "fmt_pct", "fmt_num", "fmt_age", "fmt_duration", "fmt_ratio_bytes", "fmt_value"]
-
-
-def num(value: Any) -> float | None:
-    """`value` as a finite float, or None (missing, null, NaN, inf, a string, a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    f = float(value)
-    return f if math.isfinite(f) else None
-
-
-def fmt_bytes(value: Any, *, short: bool = False) -> str:
-    """1536 -> '1.5 KiB' (binary units; '-' when unknown)."""
-    b = num(value)
-    if b is None:
-        return "-"
-    units = ("B", "K", "M", "G", "T") if short else ("B", "KiB", "MiB", "GiB", "TiB")
-    sep = "" if short else " "
-    for unit in units:
-        if abs(b) < 1024 or unit == units[-1]:
-            if unit == "B":
-                return f"{int(b)}{sep}{unit}"
-            return f"{b:.1f}{sep}{unit}" if abs(b) < 100 else f"{b:.0f}{sep}{unit}"
-        b /= 1024
-    return "-"  # pragma: no cover
-
-
-def fmt_ratio_bytes(used: Any, total: Any) -> str:
-    """'1.2 GiB / 7.5 GiB (16%)', or just the used part when the total is unknown."""
-    u, t = num(used), num(total)
-    if u is None:
-        return "-"
-    if t is None or t <= 0:
-        return fmt_bytes(u)
-    return f"{fmt_bytes(u)} / {fmt_bytes(t)} ({100 * u / t:.0f}%)"
-
-
-def fmt_pct(value: Any, digits: int = 0) -> str:
-    """0.873 -> '87%'."""
-    f = num(value)
-    return "-" if f is None else f"{100 * f:.{digits}f}%"
-
-
-def fmt_num(value: Any, digits: int = 4) -> str:
-    """A number to `digits` significant figures; NaN shows as 'nan', missing as '-'."""
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    f = num(value)
-    if f is None:
-        return "-" if value is None else str(value)
-    if f == int(f) and abs(f) < 1e15:
-        return str(int(f))
-    return f"{f:.{digits}g}"
 
 
 def fmt_value(value: float | None, unit: str, *, short: bool = False) -> str:
@@ -75,37 +23,3 @@ def fmt_value(value: float | None, unit: str, *, short: bool = False) -> str:
     if unit == "ms":
         return f"{value:.1f}ms" if short else f"{value:.1f} ms"
     return fmt_num(value, 4)
-
-
-def fmt_duration(seconds: Any) -> str:
-    s = num(seconds)
-    if s is None:
-        return "-"
-    s = max(0.0, s)
-    if s < 60:
-        return f"{s:.1f}s" if s < 10 else f"{int(s)}s"
-    i = int(s)
-    if i < 3600:
-        return f"{i // 60}m{i % 60:02d}s"
-    if i < 86400:
-        return f"{i // 3600}h{i % 3600 // 60:02d}m"
-    return f"{i // 86400}d{i % 86400 // 3600:02d}h"
-
-
-def fmt_age(ts: Any, now: float | None = None) -> str:
-    """Coarse age of an epoch timestamp: '15s', '3m', '5h', '2d' (changes rarely, so tables diff little).
-
-    Under a minute it counts in steps of 5 s: a table of fresh jobs then repaints a fifth of its
-    rows a second rather than all of them.
-    """
-    t = num(ts)
-    if t is None:
-        return "-"
-    s = max(0, int((time.time() if now is None else now) - t))
-    if s < 60:
-        return f"{s - s % 5}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from jobs.contract import Metric
 from tui.fmt import num
 
 __all__ = ["Series", "MetricHistory", "budget_of", "progress_of", "hit_rate_of", "CHARTS", "ChartSpec"]
@@ -113,9 +114,9 @@ CHARTS: tuple[ChartSpec, ...] = (
     ChartSpec("vram", "VRAM", (("vram_allocated", "allocated"), ("vram_reserved", "reserved")), "bytes", "vram_budget"),
     ChartSpec("pinned", "pinned pool", (("pinned_used", "used"),), "bytes", "pinned_capacity"),
     ChartSpec("hit", "cache hit rate", (("hit_rate", "hit rate"),), "pct"),
-    ChartSpec("gbps", "H2D / disk GB/s", (("h2d_gbps", "H2D"), ("disk_gbps", "disk")), "gbps"),
+    ChartSpec("gbps", "H2D / disk GB/s", ((Metric.h2d_gbps, "H2D"), (Metric.disk_gbps, "disk")), "gbps"),
     ChartSpec("stall", "stall ms/step", (("stall_per_step", "stall"),), "ms"),
-    ChartSpec("loss", "loss", (("loss", "loss"), ("loss_ema", "smoothed")), "plain"),
+    ChartSpec(Metric.loss, Metric.loss, ((Metric.loss, Metric.loss), ("loss_ema", "smoothed")), "plain"),
 )
 
 
@@ -144,13 +145,13 @@ def budget_of(spec: Any) -> int | None:
 def progress_of(metrics: Any, spec: Any = None) -> tuple[float | None, str]:
     """(fraction done, 'step/total') from a metrics row (step, total_steps or progress) and the spec."""
     m = metrics if isinstance(metrics, dict) else {}
-    step = num(m.get("step"))
-    total = num(m.get("total_steps"))
+    step = num(m.get(Metric.step))
+    total = num(m.get(Metric.total_steps))
     if total is None and isinstance(spec, dict):
         kind = spec.get("kind")
         section = spec.get(kind) if kind in ("train", "infer") else None
         total = num(section.get("steps")) if isinstance(section, dict) else None
-    frac = num(m.get("progress"))
+    frac = num(m.get(Metric.progress))
     if frac is None and step is not None and total:
         frac = step / total
     if frac is not None:
@@ -162,7 +163,7 @@ def progress_of(metrics: Any, spec: Any = None) -> tuple[float | None, str]:
 def hit_rate_of(metrics: Any) -> float | None:
     """Cumulative weight-cache hit rate of a metrics row."""
     m = metrics if isinstance(metrics, dict) else {}
-    hits, misses = num(m.get("cache_hits")), num(m.get("cache_misses"))
+    hits, misses = num(m.get(Metric.cache_hits)), num(m.get(Metric.cache_misses))
     if hits is None or misses is None or hits + misses <= 0:
         return None
     return hits / (hits + misses)
@@ -213,21 +214,21 @@ class MetricHistory:
                 # the worker's strict JSON writes a non-finite number as null: a number gone NaN/inf
                 self.latest[k] = math.nan
         g = row.get
-        self._put("vram_allocated", num(g("vram_allocated_bytes")))
-        self._put("vram_reserved", num(g("vram_reserved_bytes")))
+        self._put("vram_allocated", num(g(Metric.vram_allocated_bytes)))
+        self._put("vram_reserved", num(g(Metric.vram_reserved_bytes)))
         self._put("vram_budget", float(self.budget) if self.budget else None)
-        self._put("pinned_used", num(g("pinned_used_bytes")))
-        self._put("pinned_capacity", num(g("pinned_capacity_bytes")))
-        hits, misses = num(g("cache_hits")), num(g("cache_misses"))
-        dh, dm = self._delta("cache_hits", hits), self._delta("cache_misses", misses)
+        self._put("pinned_used", num(g(Metric.pinned_used_bytes)))
+        self._put("pinned_capacity", num(g(Metric.pinned_capacity_bytes)))
+        hits, misses = num(g(Metric.cache_hits)), num(g(Metric.cache_misses))
+        dh, dm = self._delta(Metric.cache_hits, hits), self._delta(Metric.cache_misses, misses)
         rate = dh / (dh + dm) if dh is not None and dm is not None and dh + dm > 0 else None
         self._put("hit_rate", rate)
         if rate is not None:
             self.latest["_hit_rate_interval"] = rate
-        self._put("h2d_gbps", num(g("h2d_gbps")))
-        self._put("disk_gbps", num(g("disk_gbps")))
-        stall, step = num(g("stall_ms")), num(g("step"))
-        d_stall, d_step = self._delta("stall_ms", stall), self._delta("step", step)
+        self._put(Metric.h2d_gbps, num(g(Metric.h2d_gbps)))
+        self._put(Metric.disk_gbps, num(g(Metric.disk_gbps)))
+        stall, step = num(g(Metric.stall_ms)), num(g(Metric.step))
+        d_stall, d_step = self._delta(Metric.stall_ms, stall), self._delta(Metric.step, step)
         per_step = None
         if d_stall is not None:
             per_step = d_stall / d_step if d_step else d_stall
@@ -236,18 +237,18 @@ class MetricHistory:
         self._put("stall_per_step", per_step)
         if per_step is not None:
             self.latest["_stall_per_step"] = per_step
-        loss = num(g("loss"))
-        self._put("loss", loss if loss is not None else (math.nan if "loss" in row else None))
+        loss = num(g(Metric.loss))
+        self._put(Metric.loss, loss if loss is not None else (math.nan if Metric.loss in row else None))
         if loss is not None:
             self._ema = loss if self._ema is None else self._ema + EMA_ALPHA * (loss - self._ema)
         self._put("loss_ema", self._ema)
-        self._put("measured_step_ms", num(g("measured_step_ms")))
-        self._put("predicted_step_ms", num(g("predicted_step_ms")))
+        self._put(Metric.measured_step_ms, num(g(Metric.measured_step_ms)))
+        self._put(Metric.predicted_step_ms, num(g(Metric.predicted_step_ms)))
 
     def get(self, name: str) -> Series:
         return self.series.get(name) or Series(self.capacity)
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        plan = self.latest.get("plan")
+        plan = self.latest.get(Metric.plan)
         return plan if isinstance(plan, dict) else None

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jobs.contract import JobState, Metric
 from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_value, num
 from tui.history import CHARTS, ChartSpec, MetricHistory, Series, budget_of, hit_rate_of
 from tui.outputs import IMAGE_TYPES, summarize_outputs
@@ -25,8 +26,8 @@ __all__ = ["gather", "render_report", "build_report", "svg_chart"]
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 8 << 20
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e")
-STEP_CHART = ChartSpec("step", "step time: predicted vs measured",
-                       (("measured_step_ms", "measured"), ("predicted_step_ms", "predicted")), "ms")
+STEP_CHART = ChartSpec("step_time", "step time: predicted vs measured",
+                       ((Metric.measured_step_ms, "measured"), (Metric.predicted_step_ms, "predicted")), "ms")
 
 
 def gather(client: Any, job_id: str) -> dict[str, Any]:
@@ -155,17 +156,17 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     runtime = None
     if num(job.get("started_at")):
         runtime = (num(job.get("finished_at")) or time.time()) - num(job.get("started_at"))  # type: ignore[operator]
-    facts = [("status", f"{status}" + (f" ({job['reason']})" if job.get("reason") and status != "SUCCEEDED" else "")),
+    facts = [("status", f"{status}" + (f" ({job['reason']})" if job.get("reason") and status != JobState.SUCCEEDED else "")),
              ("attempt", f"{job.get('attempt')} of {job.get('max_attempts')}"), ("created", _ts(job.get("created_at"))),
              ("started", _ts(job.get("started_at"))), ("finished", _ts(job.get("finished_at"))),
              ("runtime", fmt_duration(runtime)), ("exit code", job.get("exit_code")),
-             ("metrics rows", len(rows)), ("last step", fmt_num(last.get("step"))), ("last loss", fmt_num(last.get("loss"), 6)),
-             ("peak VRAM", fmt_bytes(last.get("vram_peak_bytes"))), ("VRAM budget", fmt_bytes(h.budget) if h.budget else "none"),
-             ("pinned pool", f"{fmt_bytes(last.get('pinned_used_bytes'))} of {fmt_bytes(last.get('pinned_capacity_bytes'))}"),
-             ("cache hit rate", f"{fmt_pct(hit_rate_of(last), 1)} ({fmt_num(last.get('cache_hits'))} hits, "
-                                f"{fmt_num(last.get('cache_misses'))} misses, {fmt_num(last.get('cache_evictions'))} evictions)"),
-             ("H2D", f"{fmt_bytes(last.get('h2d_bytes'))} at {fmt_num(last.get('h2d_gbps'), 3)} GB/s"),
-             ("stall", f"{fmt_num(last.get('stall_ms'), 4)} ms in total")]
+             ("metrics rows", len(rows)), ("last step", fmt_num(last.get(Metric.step))), ("last loss", fmt_num(last.get(Metric.loss), 6)),
+             ("peak VRAM", fmt_bytes(last.get(Metric.vram_peak_bytes))), ("VRAM budget", fmt_bytes(h.budget) if h.budget else "none"),
+             ("pinned pool", f"{fmt_bytes(last.get(Metric.pinned_used_bytes))} of {fmt_bytes(last.get(Metric.pinned_capacity_bytes))}"),
+             ("cache hit rate", f"{fmt_pct(hit_rate_of(last), 1)} ({fmt_num(last.get(Metric.cache_hits))} hits, "
+                                f"{fmt_num(last.get(Metric.cache_misses))} misses, {fmt_num(last.get(Metric.cache_evictions))} evictions)"),
+             ("H2D", f"{fmt_bytes(last.get(Metric.h2d_bytes))} at {fmt_num(last.get(Metric.h2d_gbps), 3)} GB/s"),
+             ("stall", f"{fmt_num(last.get(Metric.stall_ms), 4)} ms in total")]
     out.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts) + "</table>")
     out.append("<h2>Charts</h2><div class=charts>")
     out += [svg_chart(c, h) for c in CHARTS]
@@ -173,8 +174,8 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     out.append("</div>")
     out.append("<h2>The engine's plan</h2>")
     plan = h.plan
-    step_rows = [("measured step", _fmt(h.get("measured_step_ms").last(), "ms")),
-                 ("predicted step", _fmt(h.get("predicted_step_ms").last(), "ms"))]
+    step_rows = [("measured step", _fmt(h.get(Metric.measured_step_ms).last(), "ms")),
+                 ("predicted step", _fmt(h.get(Metric.predicted_step_ms).last(), "ms"))]
     if plan or any(v != "-" for _, v in step_rows):
         items = list((plan or {}).items()) + step_rows
         out.append("<table>" + "".join(

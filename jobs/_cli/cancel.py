@@ -22,4 +22,4 @@ def cancel(
     if json_out:
         print_json(job_summary(data))
     else:
-        typer.echo(f"{job_id} {data.get('status', 'CANCELLING')}")
+        typer.echo(f"{job_id} {data.get('status', JobState.CANCELLING)}")

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from jobs.vocab import TERMINAL
+from jobs.contract import JobState, TERMINAL
 
 if TYPE_CHECKING:
     from jobs.client import JobsClient
@@ -173,7 +173,7 @@ class ProgressLine:
     def __init__(self, job_id: str, name: str | None = None, live: bool | None = None):
         self.job_id = job_id
         self.name = name
-        self.job: dict[str, Any] = {"id": job_id, "status": "PENDING"}
+        self.job: dict[str, Any] = {"id": job_id, "status": JobState.PENDING}
         self._last_status: str | None = None
         self._live_enabled = sys.stdout.isatty() and sys.stderr.isatty() if live is None else live
         self._live: Any = None
@@ -224,6 +224,6 @@ class ProgressLine:
             self._last_status = status
             # Plain mode leaves the terminal status to the caller's closing line.
             if self._live is None and status not in TERMINAL:
-                reason = f" ({job['reason']})" if job.get("reason") and status != "SUCCEEDED" else ""
+                reason = f" ({job['reason']})" if job.get("reason") and status != JobState.SUCCEEDED else ""
                 attempt = f", attempt {job['attempt']}" if job.get("attempt") else ""
                 print(f"offload-jobs: job {self.job_id} {status}{reason}{attempt}", file=sys.stderr, flush=True)

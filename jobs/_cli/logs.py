@@ -6,6 +6,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from jobs.contract import JobState
 
 
 def logs(
@@ -20,7 +21,7 @@ def logs(
     """
     from jobs._cli.connect import connect, resolve_job
     from jobs._cli.follow import follow_job, read_log, tail_lines
-    from jobs.vocab import TERMINAL
+    from jobs.contract import TERMINAL
 
     client = connect()
     data = resolve_job(client, job)
@@ -40,5 +41,5 @@ def logs(
         except KeyboardInterrupt:
             print(f"\noffload-jobs: stopped following job {job_id}; it keeps running.", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None
-    reason = f" ({final['reason']})" if final.get("reason") and final.get("status") != "SUCCEEDED" else ""
+    reason = f" ({final['reason']})" if final.get("reason") and final.get("status") != JobState.SUCCEEDED else ""
     print(f"offload-jobs: job {job_id} {final.get('status')}{reason}", file=sys.stderr, flush=True)

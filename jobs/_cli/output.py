@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from jobs.errors import JobsError
-from jobs.vocab import ACTIVE, TERMINAL
+from jobs.contract import ACTIVE, TERMINAL, JobState
+from jobs.display import STATUS_ANSI, STATUS_STYLE, fmt_duration, progress_line, status_markup
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,15 +38,6 @@ __all__ = [
     "status_markup",
 ]
 
-_STATUS_STYLE = {
-    "PENDING": "dim",
-    "STARTING": "cyan",
-    "RUNNING": "bold cyan",
-    "CANCELLING": "yellow",
-    "SUCCEEDED": "green",
-    "FAILED": "bold red",
-    "CANCELLED": "yellow",
-}
 
 # The fields `show --json` and `ps --json` always carry, even when the worker leaves one out.
 SUMMARY_FIELDS = ("id", "name", "kind", "status", "reason", "attempt", "priority", "worker_id",
@@ -122,19 +114,6 @@ def fmt_timestamp(value: Any) -> str:
     return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 def job_runtime(job: dict[str, Any]) -> float | None:
     """Seconds the current attempt has run (until now, or until it finished)."""
     start = _to_epoch(job.get("started_at"))
@@ -142,15 +121,6 @@ def job_runtime(job: dict[str, Any]) -> float | None:
         return None
     end = _to_epoch(job.get("finished_at"))
     return max(0.0, (end if end is not None else time.time()) - start)
-
-
-def status_markup(status: str | None, reason: str | None = None) -> str:
-    status = status or "?"
-    style = _STATUS_STYLE.get(status, "")
-    text = f"[{style}]{status}[/]" if style else status
-    if reason and status != "SUCCEEDED":
-        text += f" [dim]({reason})[/]"
-    return text
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> Table:
@@ -175,7 +145,6 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     return table
 
 
-_ANSI = {"bold": "1", "dim": "2", "cyan": "36", "bold cyan": "1;36", "yellow": "33", "green": "32", "bold red": "1;31"}
 _COLUMNS = ("ID", "NAME", "KIND", "STATUS", "ATTEMPT", "PRIO", "CREATED", "RUNTIME")
 _RIGHT = {"ATTEMPT", "PRIO"}
 NAME_WIDTH = 40
@@ -198,7 +167,7 @@ def jobs_text_table(jobs: list[dict[str, Any]], color: bool = False, worker: boo
         name = _clean(str(job.get("name") or "-"))
         if len(name) > NAME_WIDTH:
             name = name[: NAME_WIDTH - 3] + "..."
-        status_text = status + (f" ({reason})" if reason and status != "SUCCEEDED" else "")
+        status_text = status + (f" ({reason})" if reason and status != JobState.SUCCEEDED else "")
         row = [
             _clean(str(job.get("id", "?"))), name, _clean(str(job.get("kind") or "-")), _clean(status_text),
             str(job.get("attempt") if job.get("attempt") is not None else "-"),
@@ -214,12 +183,12 @@ def jobs_text_table(jobs: list[dict[str, Any]], color: bool = False, worker: boo
         out = []
         for i, (cell, width) in enumerate(zip(cells, widths)):
             text = cell.rjust(width) if columns[i] in _RIGHT else cell.ljust(width)
-            code = _ANSI.get(styles[i] or "") if color else None
+            code = STATUS_ANSI.get(styles[i] or "") if color else None
             out.append(f"\x1b[{code}m{text}\x1b[0m" if code else text)
         return " ".join(out).rstrip()
 
     header = line(list(columns), ["bold"] * len(columns))
-    body = [line(r, [None, None, None, _STATUS_STYLE.get(str(j.get("status")))] + [None] * (len(columns) - 4))
+    body = [line(r, [None, None, None, STATUS_STYLE.get(str(j.get("status")))] + [None] * (len(columns) - 4))
             for r, j in zip(rows, jobs)]
     return "\n".join([header, *body])
 
@@ -249,6 +218,8 @@ def job_detail(job: dict[str, Any]) -> Table:
     if job.get("worker_id"):
         rows.insert(5, ("worker", escape(str(job["worker_id"]))))
     metrics = job.get("last_metrics")
+    if progress_line(metrics):
+        rows.append(("progress", escape(progress_line(metrics))))
     if isinstance(metrics, dict) and metrics:
         rows.append(("metrics", escape(", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))))
     for k, v in rows:

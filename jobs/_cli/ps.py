@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from jobs._cli.output import CliError, job_summary, jobs_text_table, print_json
-from jobs.vocab import ACTIVE, STATES
+from jobs.contract import ACTIVE, STATES
 
 STATUSES = list(STATES)
 PAGE = 50

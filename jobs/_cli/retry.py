@@ -22,4 +22,4 @@ def retry(
     if json_out:
         print_json(job_summary(data))
     else:
-        typer.echo(f"{data.get('id', job_id)} {data.get('status', 'PENDING')} (queued for a new attempt)")
+        typer.echo(f"{data.get('id', job_id)} {data.get('status', JobState.PENDING)} (queued for a new attempt)")

@@ -10,6 +10,7 @@ import typer
 
 from jobs._cli.output import print_json
 from jobs._cli.specfile import SETS_HELP
+from jobs.contract import JobState
 
 if TYPE_CHECKING:
     from jobs.client import JobsClient
@@ -42,7 +43,7 @@ def submit(
         from jobs._cli.output import job_summary
 
         print_json(job_summary(final))
-    raise typer.Exit(0 if final.get("status") == "SUCCEEDED" else 1)
+    raise typer.Exit(0 if final.get("status") == JobState.SUCCEEDED else 1)
 
 
 def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[str, Any]]:
@@ -91,7 +92,7 @@ def attach(client: JobsClient, job_id: str, name: str | None, logs_to_stderr: bo
 def _print_outcome(job: dict[str, Any]) -> None:
     status = job.get("status")
     detail = []
-    if job.get("reason") and status != "SUCCEEDED":
+    if job.get("reason") and status != JobState.SUCCEEDED:
         detail.append(str(job["reason"]))
     if job.get("exit_code") not in (None, 0):
         detail.append(f"exit code {job['exit_code']}")

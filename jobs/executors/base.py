@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.contract import JobState, Reason
 from jobs.rundir import RunDir
 
 __all__ = ["Launch", "Handle", "Exit", "Recovered", "Executor", "SetupFailed", "classify"]
@@ -140,25 +141,25 @@ def classify(ex: Exit, *, stop_reason: str | None, killed_by_us: bool,
 
     `stop_reason` is why the worker stopped it (cancelled / timeout), if it did.
     """
-    if stop_reason == "cancelled":
-        return "CANCELLED", "cancelled", None
-    if stop_reason == "timeout":
-        return "FAILED", "timeout", "exceeded limits.max_duration"
+    if stop_reason == Reason.CANCELLED:
+        return JobState.CANCELLED, Reason.CANCELLED, None
+    if stop_reason == Reason.TIMEOUT:
+        return JobState.FAILED, Reason.TIMEOUT, "exceeded limits.max_duration"
     if ex.setup_error:
-        return "FAILED", "setup_failed", ex.setup_error
+        return JobState.FAILED, Reason.SETUP_FAILED, ex.setup_error
     if ex.exit_code == 0:
-        return "SUCCEEDED", None, None
+        return JobState.SUCCEEDED, None, None
     report = exit_report if exit_report is not None else ex.report
     report_reason = (report or {}).get("reason")
     report_msg = (report or {}).get("message")
-    if report_reason in ("cuda_oom", "setup_failed", "host_oom", "nonfinite_loss"):
-        return "FAILED", report_reason, report_msg
+    if report_reason in (Reason.CUDA_OOM, Reason.SETUP_FAILED, Reason.HOST_OOM, Reason.NONFINITE_LOSS):
+        return JobState.FAILED, report_reason, report_msg
     sigkill = ex.signal == signal.SIGKILL or ex.exit_code == 128 + signal.SIGKILL
     if sigkill and not killed_by_us:
         if ex.oom:
-            return "FAILED", "host_oom", "killed by the kernel's OOM killer (host memory ran out)"
-        return "FAILED", "killed", "killed by a SIGKILL that neither the worker nor the OOM killer sent"
+            return JobState.FAILED, Reason.HOST_OOM, "killed by the kernel's OOM killer (host memory ran out)"
+        return JobState.FAILED, Reason.KILLED, "killed by a SIGKILL that neither the worker nor the OOM killer sent"
     if ex.signal is not None:
         name = signal.Signals(ex.signal).name if ex.signal in signal.Signals._value2member_map_ else str(ex.signal)
-        return "FAILED", "exit_nonzero", report_msg or f"killed by {name}"
-    return "FAILED", "exit_nonzero", report_msg or f"exit code {ex.exit_code}"
+        return JobState.FAILED, Reason.EXIT_NONZERO, report_msg or f"killed by {name}"
+    return JobState.FAILED, Reason.EXIT_NONZERO, report_msg or f"exit code {ex.exit_code}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from typing import Callable
+from jobs.contract import Reason
 
 __all__ = ["NonFiniteLoss", "classify_exception", "reporting_failures"]
 
@@ -23,17 +24,17 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     from jobs.runners.prompts import PromptError
 
     if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError)):
-        return "setup_failed", str(exc), 2
+        return Reason.SETUP_FAILED, str(exc), 2
     if isinstance(exc, NonFiniteLoss):
-        return "nonfinite_loss", str(exc), 1
+        return Reason.NONFINITE_LOSS, str(exc), 1
     core = sys.modules.get("offload_core.errors")  # loaded only if the engine was
     if core is not None and isinstance(exc, core.OffloadError):
-        return "setup_failed", f"offload: {exc}", 2
+        return Reason.SETUP_FAILED, f"offload: {exc}", 2
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
-        return "cuda_oom", f"out of GPU memory: {str(exc).splitlines()[0]}", 1
+        return Reason.CUDA_OOM, f"out of GPU memory: {str(exc).splitlines()[0]}", 1
     if isinstance(exc, MemoryError):
-        return "host_oom", f"out of host memory: {exc}", 1
+        return Reason.HOST_OOM, f"out of host memory: {exc}", 1
     return None
 
 

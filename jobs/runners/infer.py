@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
@@ -110,7 +111,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             setattr(pipe, name, None)
     del pipe
     free_host_memory()
-    metrics.write({"phase": "encode", "seconds": round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
+    metrics.write({"phase": "encode", Metric.seconds: round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
 
     watch.phase("load")
     prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
@@ -119,7 +120,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=False,
                               with_weights=prepare, rss=watch.rss)
     watch.sample()
-    metrics.write({"phase": "load", "weight_bytes": loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
+    metrics.write({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
                    "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
                    "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
@@ -147,15 +148,15 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
         stats = loaded.stats()
         rec = {**p.as_dict(), "index": n, "files": [str(f) for f in files], "seconds": round(seconds, 3)}
         records.append(rec)
-        metrics.write({"step": n + 1, "total_steps": len(prompts), "seconds": seconds, "host_rss_bytes": watch.sample(),
-                       **{k: stats.get(k) for k in ("vram_peak_bytes", "vram_allocated_bytes", "h2d_bytes",
-                                                    "h2d_gbps", "stall_ms", "pinned_used_bytes") if k in stats}})
+        row = StepMetrics(step=n + 1, total_steps=len(prompts), seconds=seconds, host_rss_bytes=watch.sample(),
+                          host_total_bytes=watch.total)
+        metrics.write_step(row, stats)  # every stat the screens chart (hit rate, disk GB/s, ...)
         print(f"[{n + 1}/{len(prompts)}] {p.prompt!r} seed {p.seed} -> {(files[0].parent if family.is_video else files[0]).name} ({seconds:.1f}s)", flush=True)
     rnd.contact_sheet(sheet, outputs / "contact_sheet.png")
     params = {"family": family.name, "model": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
               "device": str(device), "lora": str(lora) if lora else None, "lora_scale": i.lora_scale if lora else None,
               "max_sequence_length": max_len, "offload": engine_keys, "vram_cap_bytes": cap,
-              "images": records, "host_rss_peak_bytes": watch.peak, "weight_bytes": loaded.weight_bytes}
+              "images": records, "host_rss_peak_bytes": watch.peak, Metric.weight_bytes: loaded.weight_bytes}
     rnd.write_params(outputs / "params.json", params)
     metrics.write({"phase": "done", "images": len(records), "host_rss_peak_bytes": watch.peak})
     if loaded.handle is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from jobs.contract import Metric, Reason, StepMetrics
 from jobs.runners._entry import fail, load_job, write_metrics
 
 
@@ -17,16 +18,16 @@ def main() -> None:
 
     def report(p: dict) -> None:
         # One metrics line and one log line per file written: progress the TUI and `logs` can show.
-        write_metrics({"step": p["files_done"], "total_steps": p["files_total"], **p})
+        write_metrics({**StepMetrics(step=p["files_done"], total_steps=p["files_total"]), **p})
         print(f"  {p['files_done']}/{p['files_total']} files", flush=True)
 
     try:
         result = shard_checkpoint(spec.shard.src, spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report)
     except MemoryError as exc:
-        fail("host_oom", f"out of host memory while sharding: {exc}", code=1)
+        fail(Reason.HOST_OOM, f"out of host memory while sharding: {exc}", code=1)
     except OffloadError as exc:  # a missing or corrupt checkpoint, a full disk: the user's to fix
-        fail("setup_failed", str(exc))
-    write_metrics({"done": True, "seconds": round(time.monotonic() - t0, 3)})
+        fail(Reason.SETUP_FAILED, str(exc))
+    write_metrics({"done": True, Metric.seconds: round(time.monotonic() - t0, 3)})
     print(f"done in {time.monotonic() - t0:.1f}s: {result['units']} units in {result['files']} files, "
           f"{result['written']} written, {result['resumed']} resumed; index {result['index']}", flush=True)
 

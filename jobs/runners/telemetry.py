@@ -1,7 +1,8 @@
 """What a runner tells the world while it works: metrics, events, a progress bar, host memory.
 
 - `MetricsWriter`: one JSON object per line in metrics.jsonl; NaN and infinities are written as
-  null (strict JSON every reader can parse).
+  null (strict JSON every reader can parse). `write_step` writes a step row: the contract's
+  `StepMetrics` plus the engine stats it forwards (jobs/contract.py, the names every reader uses).
 - `emit_event`: a line in the run dir's events.jsonl (`runner.*` types), e.g. host memory warnings,
   skipped checkpoints, cache counts.
 - `progress_bar`: tqdm, written to the log as whole lines (no carriage returns in output.log).
@@ -18,9 +19,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import psutil
+
+from jobs.contract import StepMetrics, engine_stats
 
 __all__ = ["MetricsWriter", "emit_event", "progress_bar", "HostMemoryWatch", "json_safe", "quiet_libraries"]
 
@@ -43,7 +46,11 @@ class MetricsWriter:
         env = os.environ.get("OFFLOAD_JOBS_METRICS")
         self.path = Path(path) if path is not None else (Path(env) if env else None)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write_step(self, row: StepMetrics, stats: Mapping[str, Any] | None = None) -> None:
+        """One step's row: `row` and every engine stat the screens chart (from `handle.stats()`)."""
+        self.write({**row, **engine_stats(stats or {})})
+
+    def write(self, record: Mapping[str, Any]) -> None:
         if self.path is None:
             return
         line = json.dumps(json_safe(record), allow_nan=False, separators=(",", ":"))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
 from jobs.runners.checkpoint import CheckpointStore
 from jobs.runners.controls import Controls
@@ -37,11 +38,6 @@ from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, p
 from jobs.spec import JobSpec
 
 __all__ = ["train", "sample_sigmas", "lr_lambda"]
-
-_ENGINE_STATS = ("vram_allocated_bytes", "vram_reserved_bytes", "vram_peak_bytes", "pinned_capacity_bytes",
-                 "pinned_used_bytes", "cache_hits", "cache_misses", "cache_evictions", "h2d_bytes", "h2d_gbps",
-                 "stall_ms", "prefetch_misses", "weight_bytes", "streamed_bytes", "resident_bytes",
-                 "measured_step_ms", "predicted_step_ms")
 
 
 def sample_sigmas(n: int, how: str, shift: float, gen: torch.Generator) -> torch.Tensor:
@@ -159,7 +155,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     latents = encode_items(vae, family, cache, items, t.num_frames, device, cap)
     counts = cache.counts.as_dict()
     emit_event(run_dir, "cache", **counts, items=len(items), dir=str(cache.root))
-    metrics.write({"phase": "precompute", "seconds": round(time.perf_counter() - t0, 3), **counts})
+    metrics.write({"phase": "precompute", Metric.seconds: round(time.perf_counter() - t0, 3), **counts})
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
@@ -208,7 +204,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     model, optimizer = loaded.model, loaded.optimizer
     lora_params = [p for p in model.parameters() if p.requires_grad]
     watch.sample()
-    load_record = {"phase": "load", "weight_bytes": loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
+    load_record = {"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
                    "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
                    # what loading added on top of the process as it was (torch, the cache's tensors)
@@ -314,13 +310,12 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
 
         elapsed = time.monotonic() - t_start
         rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
-        record = {"step": step, "total_steps": total, "loss": loss_value, "lr": scheduler_lr.get_last_lr()[0],
-                  "grad_norm": grad_norm, "epoch": state["epoch"], "it_s": rate,
-                  "step_seconds": time.perf_counter() - t_step,
-                  "eta_seconds": (total - step) / rate if rate > 0 else None, "host_rss_bytes": watch.sample()}
-        stats = loaded.stats()
-        record.update({k: stats[k] for k in _ENGINE_STATS if k in stats})
-        metrics.write(record)
+        record = StepMetrics(step=step, total_steps=total, loss=loss_value, lr=scheduler_lr.get_last_lr()[0],
+                             grad_norm=grad_norm, epoch=state["epoch"], it_s=rate,
+                             step_seconds=time.perf_counter() - t_step,
+                             eta_seconds=(total - step) / rate if rate > 0 else None, host_rss_bytes=watch.sample(),
+                             host_total_bytes=watch.total)
+        metrics.write_step(record, loaded.stats())
         bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
         bar.update(1)
 
@@ -349,7 +344,7 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                           "offload_jobs.targets": ",".join(targets)})
     summary = {"done": True, "lora": str(lora_path), "family": family.name, "step": state["step"],
                "stopped_early": stopped, "checkpoints": ckpts.complete(), "samples": samples.last if samples else [],
-               "host_rss_peak_bytes": watch.peak, "host_rss_peaks": watch.peaks, "weight_bytes": loaded.weight_bytes,
+               "host_rss_peak_bytes": watch.peak, "host_rss_peaks": watch.peaks, Metric.weight_bytes: loaded.weight_bytes,
                "cache": counts}
     rnd.write_params(outputs / "train_summary.json", summary)
     metrics.write({"phase": "done", "step": state["step"], "lora": str(lora_path), "host_rss_peak_bytes": watch.peak})

@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import jobs
 from jobs import strict_json
+from jobs.contract import JobState
 from jobs.errors import (
     InvalidTransition, JobNotFound, JobsError, RequestTooLarge, RunDirError, SpecError, StoreError,
 )
@@ -45,7 +46,7 @@ from jobs.store import TERMINAL, JobStore
 from jobs.worker.auth import AuthMiddleware, BodyLimitMiddleware, allowed_hosts
 from jobs.worker.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, Heartbeat
 from jobs.worker.inventory import Gpu, WorkerIdentity, boot_id, detect_gpus, gpu_usage, slurm_available, worker_id_for
-from jobs.worker.metrics import TimingMiddleware, WorkerMetrics
+from jobs.worker.metrics import TimingMiddleware, WorkerMetrics, live_jobs
 from jobs.worker.scheduler import Scheduler
 
 __all__ = ["create_app", "EventBus", "open_store"]
@@ -191,7 +192,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         from jobs.worker.listen import Listener
 
         listener = Listener(store.url, sched.wake, bus.notify)
-    metrics = WorkerMetrics(store.counts, lambda: len(sched.running))
+    metrics = WorkerMetrics(store.counts, lambda: len(sched.running), lambda: live_jobs(store, list(sched.running)))
     sched.on_finish = metrics.on_finish
     sched.on_start = lambda job: metrics.queue_wait.observe(max(0.0, time.time() - job["created_at"]))
 
@@ -403,7 +404,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         job = await asyncio.to_thread(store.get_job, job_id)
         if job["kind"] != "train":
             raise InvalidTransition(f"job {job['id']} is a {job['kind']} job; only train jobs take signals")
-        if job["status"] != "RUNNING":
+        if job["status"] != JobState.RUNNING:
             raise InvalidTransition(f"job {job['id']} is {job['status']}; signals reach running jobs only")
         record = {"ts": time.time(), "action": action, "attempt": job.get("attempt")}
         if store.shared and job.get("worker_id") != ident.id:  # runs elsewhere: its worker delivers it

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jobs.contract import JobState, Reason
 from jobs.errors import JobsError, StoreError
 from jobs.executors import SetupFailed, get_executor
 from jobs.rundir import RunDir
@@ -203,7 +204,7 @@ class Heartbeat:
         for a in expired:
             holder = a.get("worker_id") or "?"
             retry_on = _retry_on(a.get("spec") or {})
-            never_ran = a["status"] == "STARTING"
+            never_ran = a["status"] == JobState.STARTING
             silent = self.timeout + a.get("overdue_s", 0.0)
             msg = (f"worker {holder} stopped renewing its lease (silent for about {silent:.0f}s); "
                    + ("the attempt had not started" if never_ran else "the attempt is lost"))
@@ -218,7 +219,7 @@ class Heartbeat:
             n += 1
             self.reaped += 1
             log.warning("job %s attempt %d of worker %s: lease ran out; %s", a["job_id"], a["number"], holder,
-                        "queued again" if job["status"] == "PENDING" else job["status"])
+                        "queued again" if job["status"] == JobState.PENDING else job["status"])
             self._stop_remains(a)
             if self.on_reaped is not None:
                 self.on_reaped(job)
@@ -246,4 +247,4 @@ class Heartbeat:
 def _retry_on(spec: dict[str, Any]) -> list[str]:
     retry = spec.get("retry") if isinstance(spec, dict) else None
     on = retry.get("on") if isinstance(retry, dict) else None
-    return list(on) if isinstance(on, list) else ["worker_lost"]
+    return list(on) if isinstance(on, list) else [Reason.WORKER_LOST]

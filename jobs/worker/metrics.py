@@ -1,21 +1,72 @@
-"""Prometheus metrics (`offload_jobs_*`, base units, `_total` counters) on a private registry."""
+"""Prometheus metrics (`offload_jobs_*`, base units, `_total` counters) on a private registry.
+
+Besides the worker's own counters it exports, for each job this worker runs, the newest metrics row
+the job wrote (`offload_jobs_job_*{job,kind}`): the names come from jobs/contract.py, as the
+dashboard's do, converted to base units (GB/s to bytes a second, ms to seconds)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from jobs.contract import JobState, Metric
 
-__all__ = ["WorkerMetrics", "TimingMiddleware"]
+__all__ = ["WorkerMetrics", "TimingMiddleware", "JOB_GAUGES", "job_gauges", "live_jobs"]
+
+
+# Metric name -> (exported name, help, factor to base units).
+JOB_GAUGES: dict[str, tuple[str, str, float]] = {
+    Metric.step: ("offload_jobs_job_step", "The job's step (a train step, an infer image).", 1.0),
+    Metric.total_steps: ("offload_jobs_job_total_steps", "The steps the job will take.", 1.0),
+    Metric.loss: ("offload_jobs_job_loss", "Training loss of the last step.", 1.0),
+    Metric.it_s: ("offload_jobs_job_steps_per_second", "Steps a second since the attempt started.", 1.0),
+    Metric.eta_seconds: ("offload_jobs_job_eta_seconds", "Seconds until the last step, at the current rate.", 1.0),
+    Metric.host_rss_bytes: ("offload_jobs_job_host_rss_bytes", "Resident memory of the job's process.", 1.0),
+    Metric.vram_allocated_bytes: ("offload_jobs_job_vram_allocated_bytes", "GPU memory allocated by torch.", 1.0),
+    Metric.vram_peak_bytes: ("offload_jobs_job_vram_peak_bytes", "Peak GPU memory allocated by torch.", 1.0),
+    Metric.pinned_used_bytes: ("offload_jobs_job_pinned_used_bytes", "Pinned host memory the engine holds.", 1.0),
+    Metric.cache_hits: ("offload_jobs_job_cache_hits", "Weight-cache hits this attempt (cumulative).", 1.0),
+    Metric.cache_misses: ("offload_jobs_job_cache_misses", "Weight-cache misses this attempt (cumulative).", 1.0),
+    Metric.h2d_gbps: ("offload_jobs_job_h2d_bytes_per_second", "Host-to-device copy rate.", 1e9),
+    Metric.disk_gbps: ("offload_jobs_job_disk_read_bytes_per_second", "Disk read rate (disk-backed weights).", 1e9),
+    Metric.stall_ms: ("offload_jobs_job_stall_seconds", "Time compute waited for weights (cumulative).", 1e-3),
+}
+
+
+def job_gauges(jobs: list[Mapping[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    """One gauge family per exported metric, a sample per job whose last row carries it."""
+    for name, (exported, help_text, factor) in JOB_GAUGES.items():
+        g = GaugeMetricFamily(exported, help_text, labels=["job", "kind"])
+        for job in jobs:
+            row = job.get("last_metrics")
+            value = row.get(name) if isinstance(row, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                g.add_metric([str(job.get("id")), str(job.get("kind") or "")], float(value) * factor)
+        yield g
+
+
+def live_jobs(store: Any, job_ids: list[str]) -> list[dict[str, Any]]:
+    """The jobs this worker runs, with their last metrics row (a job gone meanwhile is skipped)."""
+    from jobs.errors import JobsError
+
+    out = []
+    for job_id in job_ids:
+        try:
+            out.append(store.get_job(job_id))
+        except JobsError:
+            continue
+    return out
 
 
 class _StoreCollector:
-    def __init__(self, counts: Callable[[], dict[str, int]], running: Callable[[], int]) -> None:
+    def __init__(self, counts: Callable[[], dict[str, int]], running: Callable[[], int],
+                 live: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.counts = counts
         self.running = running
+        self.live = live
 
     def collect(self) -> Iterator[Any]:
         g = GaugeMetricFamily("offload_jobs_jobs", "Jobs in the store by status.", labels=["status"])
@@ -23,10 +74,13 @@ class _StoreCollector:
             g.add_metric([status], n)
         yield g
         yield GaugeMetricFamily("offload_jobs_running_attempts", "Attempts this worker is running now.", value=self.running())
+        if self.live is not None:
+            yield from job_gauges(self.live())
 
 
 class WorkerMetrics:
-    def __init__(self, counts: Callable[[], dict[str, int]], running: Callable[[], int]) -> None:
+    def __init__(self, counts: Callable[[], dict[str, int]], running: Callable[[], int],
+                 live: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.submitted = Counter("offload_jobs_submitted_total", "Jobs submitted.", ["kind"], registry=r)
@@ -39,12 +93,12 @@ class WorkerMetrics:
                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 5, 30, 60, 300, 1800, 3600), registry=r)
         self.duration = Histogram("offload_jobs_job_duration_seconds", "Start to end of finished jobs.",
                                   buckets=(0.1, 1, 10, 60, 300, 1800, 3600, 4 * 3600, 12 * 3600), registry=r)
-        r.register(_StoreCollector(counts, running))
+        r.register(_StoreCollector(counts, running, live))
 
     def on_finish(self, job: dict[str, Any]) -> None:
-        status = job["status"] if job["status"] != "PENDING" else "RETRYING"
+        status = job["status"] if job["status"] != JobState.PENDING else "RETRYING"
         self.finished.labels(status, job.get("reason") or "").inc()
-        if job["status"] != "PENDING" and job.get("started_at") and job.get("finished_at"):
+        if job["status"] != JobState.PENDING and job.get("started_at") and job.get("finished_at"):
             self.duration.observe(max(0.0, job["finished_at"] - job["started_at"]))
 
     def render(self) -> bytes:

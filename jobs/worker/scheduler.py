@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from jobs.contract import JobState, Reason
 from jobs.errors import JobNotFound, RunDirError, SpecError, StoreError
 from jobs.executors import Executor, Exit, Handle, Launch, SetupFailed, classify, get_executor
 from jobs.rundir import RunDir
@@ -232,7 +233,7 @@ class Scheduler:
         try:
             spec = parse_spec(job["spec"])
         except SpecError as exc:  # a spec that no longer validates (older schema)
-            self._settle(self._pending(job_id, number, run_dir), _Outcome("FAILED", "setup_failed", None, f"spec: {exc}"))
+            self._settle(self._pending(job_id, number, run_dir), _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, f"spec: {exc}"))
             return
         slurm = spec.executor == "slurm"
         gpus = self._pick_gpus(spec) if spec.gpus > 0 and not slurm else []
@@ -277,7 +278,7 @@ class Scheduler:
             msg = str(exc) if isinstance(exc, SetupFailed) else f"{type(exc).__name__}: {exc}"
             run_dir.append_log(f"[offload-jobs] setup_failed: {msg}\n")
             r.handle = None
-            self._settle(r, _Outcome("FAILED", "setup_failed", None, msg))
+            self._settle(r, _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, msg))
             return
         self._faults.pause("prepared")
         h = r.handle
@@ -300,7 +301,7 @@ class Scheduler:
         self._faults.pause("recorded")
         if not go:  # cancelled while STARTING
             r.executor.abort(h)
-            r.stop_reason = "cancelled"
+            r.stop_reason = Reason.CANCELLED
             return
         r.executor.release(h)
         if self.on_start and number == 1:
@@ -351,10 +352,10 @@ class Scheduler:
             limits = r.spec.limits if r.spec is not None else None
             own_limit = limits and limits.max_duration and not r.executor.enforces_time_limit
             if r.stop_reason is None and r.job_id in cancelling:
-                self._begin_stop(r, "cancelled")
+                self._begin_stop(r, Reason.CANCELLED)
             elif r.stop_reason is None and own_limit and now - r.started > limits.max_duration:
                 r.run_dir.append_log(f"[offload-jobs] max_duration {limits.max_duration:g}s exceeded; stopping\n")
-                self._begin_stop(r, "timeout")
+                self._begin_stop(r, Reason.TIMEOUT)
             elif r.kill_at is not None and not r.killed and now >= r.kill_at:
                 r.killed = True
                 r.executor.kill(r.handle)
@@ -426,7 +427,7 @@ class Scheduler:
     def _cancelling_ids(self) -> set[str]:
         # One cheap indexed query per tick instead of one per running job.
         try:
-            return {j["id"] for j in self.store.list_jobs(status="CANCELLING", summary=True)}
+            return {j["id"] for j in self.store.list_jobs(status=JobState.CANCELLING, summary=True)}
         except StoreError as exc:
             self._store_trouble("cannot read cancellations", exc)
             return set()
@@ -461,7 +462,7 @@ class Scheduler:
         self._read_metrics(r)
         outcome = self._judge(r.stop_reason, r.killed, ex)
         tail = f"[offload-jobs] attempt {r.attempt} ended: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
-        if outcome.message and outcome.reason != "cancelled":
+        if outcome.message and outcome.reason != Reason.CANCELLED:
             tail += f": {outcome.message}"
         r.run_dir.append_log(tail + "\n")
         self._settle(r, outcome)
@@ -470,22 +471,22 @@ class Scheduler:
     def _judge(stop_reason: str | None, killed: bool, ex: Exit) -> _Outcome:
         code = ex.exit_code if ex.exit_code is not None else (-ex.signal if ex.signal else None)
         if not ex.ran:
-            if stop_reason == "cancelled":
-                return _Outcome("CANCELLED", "cancelled", None, None)
-            return _Outcome("FAILED", "worker_lost", None, "the attempt was stopped before it ran; it is queued again",
+            if stop_reason == Reason.CANCELLED:
+                return _Outcome(JobState.CANCELLED, Reason.CANCELLED, None, None)
+            return _Outcome(JobState.FAILED, Reason.WORKER_LOST, None, "the attempt was stopped before it ran; it is queued again",
                             never_ran=True)
         if stop_reason == "shutdown":
-            return _Outcome("FAILED", "worker_lost", code, "the worker stopped while the job ran")
-        if stop_reason == "fenced" or (ex.fenced and stop_reason != "cancelled"):
-            return _Outcome("FAILED", "worker_lost", code, "its worker could not renew the lease on the store (cut "
+            return _Outcome(JobState.FAILED, Reason.WORKER_LOST, code, "the worker stopped while the job ran")
+        if stop_reason == "fenced" or (ex.fenced and stop_reason != Reason.CANCELLED):
+            return _Outcome(JobState.FAILED, Reason.WORKER_LOST, code, "its worker could not renew the lease on the store (cut "
                                                              "off, or stopped); the attempt was stopped so that a "
                                                              "retry never runs beside it")
-        if ex.timed_out and stop_reason != "cancelled":
-            return _Outcome("FAILED", "timeout", code, "exceeded limits.max_duration (the executor's time limit)")
+        if ex.timed_out and stop_reason != Reason.CANCELLED:
+            return _Outcome(JobState.FAILED, Reason.TIMEOUT, code, "exceeded limits.max_duration (the executor's time limit)")
         if ex.unknown:
-            if stop_reason == "cancelled":
-                return _Outcome("CANCELLED", "cancelled", None, None)
-            return _Outcome("FAILED", "worker_lost", None, "the attempt ended with no exit record (its launcher "
+            if stop_reason == Reason.CANCELLED:
+                return _Outcome(JobState.CANCELLED, Reason.CANCELLED, None, None)
+            return _Outcome(JobState.FAILED, Reason.WORKER_LOST, None, "the attempt ended with no exit record (its launcher "
                                                              "was killed?)")
         status, reason, msg = classify(ex, stop_reason=stop_reason, killed_by_us=killed, exit_report=None)
         return _Outcome(status, reason, code, msg)
@@ -549,8 +550,8 @@ class Scheduler:
             except SetupFailed:
                 executor = None
             stop = run_dir.read_stop(number)
-            if stop is None and job["status"] == "CANCELLING":
-                stop = "cancelled"
+            if stop is None and job["status"] == JobState.CANCELLING:
+                stop = Reason.CANCELLED
             rec = executor.recover(job_id, number, a["handle"], run_dir) if executor is not None else None
             if rec is not None and rec.state == "running" and spec is not None and rec.handle is not None:
                 self._adopt(job, a, spec, run_dir, executor, rec.handle, stop)
@@ -562,14 +563,14 @@ class Scheduler:
                 how = f"it ended while no worker watched: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
             elif rec is not None and rec.state == "never_ran":
                 outcome = self._judge(stop, False, Exit(None, ran=False))
-                how = "it had not started yet; " + ("cancelled" if outcome.status == "CANCELLED" else "queued again")
-            elif stop == "cancelled":
-                outcome, how = _Outcome("CANCELLED", "cancelled", None, None), "recovered as cancelled"
-            elif stop == "timeout":
-                outcome, how = _Outcome("FAILED", "timeout", None, "exceeded limits.max_duration"), "recovered as timeout"
+                how = "it had not started yet; " + ("so cancelled" if outcome.status == JobState.CANCELLED else "queued again")
+            elif stop == Reason.CANCELLED:
+                outcome, how = _Outcome(JobState.CANCELLED, Reason.CANCELLED, None, None), "recovered as cancelled"
+            elif stop == Reason.TIMEOUT:
+                outcome, how = _Outcome(JobState.FAILED, Reason.TIMEOUT, None, "exceeded limits.max_duration"), "recovered as timeout"
             else:
                 msg = (rec.message if rec is not None else None) or "the worker died while this attempt ran"
-                outcome, how = _Outcome("FAILED", "worker_lost", None, msg), f"lost ({msg})"
+                outcome, how = _Outcome(JobState.FAILED, Reason.WORKER_LOST, None, msg), f"lost ({msg})"
             if run_dir.path.exists():
                 run_dir.append_log(f"[offload-jobs] worker restarted; attempt {number}: {how}\n")
             r = _Running(job_id, number, spec, run_dir, None, None, [], time.monotonic())
@@ -600,7 +601,7 @@ class Scheduler:
                 return True  # not this store's job: another worker's
             if self.shared:  # workers on this host share the cgroup root: leave the others' live attempts
                 a = self.store.attempt(job_id, attempt)
-                if a is None or (a["status"] in ("STARTING", "RUNNING") and a.get("worker_id") != self.worker_id):
+                if a is None or (a["status"] in (JobState.STARTING, JobState.RUNNING) and a.get("worker_id") != self.worker_id):
                     return True
             return False
 

@@ -21,6 +21,7 @@ from textual.containers import Grid, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
+from jobs.contract import TERMINAL, JobState, Metric
 from jobs.errors import JobsError
 from tui.feed import MetricRows, MetricsTail
 from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_ratio_bytes, num
@@ -43,7 +44,7 @@ def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
     t.append(f"{job.get('id', '?')} ", style="bold")
     t.append(f"{job.get('name') or '-'} ({job.get('kind') or '-'})  ")
     t.append(status, style=STATUS_STYLE.get(status, ""))
-    if job.get("reason") and status != "SUCCEEDED":
+    if job.get("reason") and status != JobState.SUCCEEDED:
         t.append(f" ({job['reason']})", style="dim")
     if job.get("attempt"):
         t.append(f"  attempt {job['attempt']}" + (f"/{job['max_attempts']}" if job.get("max_attempts") else ""))
@@ -54,25 +55,25 @@ def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
     if steps:
         t.append(f"  step {steps}" + (f" ({fmt_pct(frac)})" if frac is not None else ""))
     t.append("\n")
-    parts = [("loss", fmt_num(m.get("loss"), 5)), ("it/s", fmt_num(m.get("it_s"), 3)),
-             ("ETA", fmt_duration(m.get("eta_s"))), ("lr", fmt_num(m.get("lr"), 3))]
-    vram = num(m.get("vram_allocated_bytes"))
+    parts = [(Metric.loss, fmt_num(m.get(Metric.loss), 5)), ("it/s", fmt_num(m.get(Metric.it_s), 3)),
+             ("ETA", fmt_duration(m.get(Metric.eta_seconds))), (Metric.lr, fmt_num(m.get(Metric.lr), 3))]
+    vram = num(m.get(Metric.vram_allocated_bytes))
     budget = h.budget or budget_of(job.get("spec"))
     parts.append(("VRAM", fmt_ratio_bytes(vram, budget) if vram is not None else "-"))
-    parts.append(("peak", fmt_bytes(m.get("vram_peak_bytes"))))
-    parts.append(("pinned", fmt_ratio_bytes(m.get("pinned_used_bytes"), m.get("pinned_capacity_bytes"))))
+    parts.append(("peak", fmt_bytes(m.get(Metric.vram_peak_bytes))))
+    parts.append(("pinned", fmt_ratio_bytes(m.get(Metric.pinned_used_bytes), m.get(Metric.pinned_capacity_bytes))))
     hit = h.latest.get("_hit_rate_interval") if h.rows else None
-    parts.append(("cache hits", f"{fmt_pct(hit_rate_of(m))} ({fmt_num(m.get('cache_hits'))} hit, "
-                                f"{fmt_num(m.get('cache_misses'))} miss, {fmt_num(m.get('cache_evictions'))} evicted)"
+    parts.append(("cache hits", f"{fmt_pct(hit_rate_of(m))} ({fmt_num(m.get(Metric.cache_hits))} hit, "
+                                f"{fmt_num(m.get(Metric.cache_misses))} miss, {fmt_num(m.get(Metric.cache_evictions))} evicted)"
                   + (f", now {fmt_pct(hit)}" if hit is not None else "")))
-    parts.append(("H2D", f"{fmt_num(m.get('h2d_gbps'), 3)} GB/s"))
-    if m.get("disk_gbps") is not None:
-        parts.append(("disk", f"{fmt_num(m.get('disk_gbps'), 3)} GB/s"))
+    parts.append(("H2D", f"{fmt_num(m.get(Metric.h2d_gbps), 3)} GB/s"))
+    if m.get(Metric.disk_gbps) is not None:
+        parts.append(("disk", f"{fmt_num(m.get(Metric.disk_gbps), 3)} GB/s"))
     stall = h.latest.get("_stall_per_step") if h.rows else None
-    parts.append(("stall", f"{fmt_num(stall, 3)} ms/step" if stall is not None else fmt_num(m.get("stall_ms"), 4) + " ms"))
-    rss = m.get("host_rss_bytes")
+    parts.append(("stall", f"{fmt_num(stall, 3)} ms/step" if stall is not None else fmt_num(m.get(Metric.stall_ms), 4) + " ms"))
+    rss = m.get(Metric.host_rss_bytes)
     if rss is not None:
-        parts.append(("host RSS", fmt_ratio_bytes(rss, m.get("host_total_bytes"))))
+        parts.append(("host RSS", fmt_ratio_bytes(rss, m.get(Metric.host_total_bytes))))
     for i, (k, v) in enumerate(parts):
         t.append(f"{k} ", style="dim")
         t.append(v + ("   " if i < len(parts) - 1 else ""), style="bold")
@@ -225,7 +226,7 @@ class DetailScreen(JobActions, Screen):
     def sync(self) -> None:
         job = self.job
         status = str(job.get("status"))
-        running = status not in ("SUCCEEDED", "FAILED", "CANCELLED")
+        running = status not in TERMINAL
         if self.tail is not None and running and time.monotonic() - self._details_at > DETAILS_EVERY_S:
             self._load_details()  # new checkpoints and samples
         if not self.is_current:
@@ -248,8 +249,7 @@ class DetailScreen(JobActions, Screen):
         spec = job.get("spec") or {}
         if self._due("spec", spec):
             self.query_one("#spec", Static).update(yaml.safe_dump(spec, sort_keys=False) if spec else "(no spec yet)")
-        if self._due("outputs", (self.files, self.history.latest.get("checkpoint_step"),
-                                 self.history.latest.get("checkpoint"))):
+        if self._due("outputs", self.files):
             self.query_one("#outputs", Static).update(self._outputs_text())
         if self.query_one("#tabs", TabbedContent).active == "tab-latest" and self._due("latest", rows):
             self.query_one("#latest", Static).update(latest_text(self.history))
@@ -305,9 +305,6 @@ class DetailScreen(JobActions, Screen):
     def _outputs_text(self) -> Text:
         checkpoints, samples = summarize_outputs(self.files)
         t = Text()
-        m = self.history.latest
-        if m.get("checkpoint_step") is not None or m.get("checkpoint") is not None:
-            t.append(f"last checkpoint reported: step {m.get('checkpoint_step', '?')} {m.get('checkpoint', '')}\n")
         t.append("checkpoints\n", style="bold")
         if not checkpoints:
             t.append("  none yet\n", style="dim")

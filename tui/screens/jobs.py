@@ -21,6 +21,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
 
+from jobs.contract import JobState, Metric
+from jobs.display import STATUS_STYLE
 from tui.fmt import fmt_age, fmt_bytes, fmt_pct, num
 from tui.history import budget_of, hit_rate_of, progress_of
 from tui.screens.actions import JobActions
@@ -34,8 +36,6 @@ COLUMNS = (("id", "ID"), ("name", "NAME"), ("kind", "KIND"), ("status", "STATUS"
 AGE = len(COLUMNS) - 1
 AGE_TICK_S = 1.0
 COVERED_POLL_S = 1.0  # the live jobs' re-read while another screen covers this one (statuses come by events)
-STATUS_STYLE = {"PENDING": "dim", "STARTING": "cyan", "RUNNING": "bold cyan", "CANCELLING": "yellow",
-                "SUCCEEDED": "green", "FAILED": "bold red", "CANCELLED": "yellow"}
 
 
 def _bar(frac: float | None, width: int = 8) -> str:
@@ -50,17 +50,17 @@ def job_row(job: dict[str, Any], now: float) -> tuple[Text, ...]:
     status = str(job.get("status") or "?")
     reason = job.get("reason")
     st = Text(status, style=STATUS_STYLE.get(status, ""))
-    if reason and status != "SUCCEEDED":
+    if reason and status != JobState.SUCCEEDED:
         st.append(f" ({reason})", style="dim")
     m = job.get("last_metrics") if isinstance(job.get("last_metrics"), dict) else {}
     spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
     frac, steps = progress_of(m, spec)
-    if status == "SUCCEEDED" and frac is None:
+    if status == JobState.SUCCEEDED and frac is None:
         frac = 1.0
     progress = f"{_bar(frac)} {fmt_pct(frac)} {steps}".strip() if frac is not None else (steps or "-")
-    peak = num(m.get("vram_peak_bytes"))
+    peak = num(m.get(Metric.vram_peak_bytes))
     if peak is None:
-        peak = num(m.get("vram_allocated_bytes"))
+        peak = num(m.get(Metric.vram_allocated_bytes))
     budget = budget_of(spec)
     vram = fmt_bytes(peak, short=True) if peak is not None else "-"
     if budget:
