@@ -58,18 +58,16 @@ def _checkpoints(run_dir: Path) -> dict[str, Any]:
 
 
 def _last_event(run_dir: Path, type: str) -> dict[str, Any] | None:
-    path = run_dir / "events.jsonl"
-    last = None
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
+    from jobs.errors import RunDirError
+    from jobs.rundir import RunDir
+
+    try:  # the safe reader: a FIFO or link planted as events.jsonl must not hang `show`
+        records = RunDir(run_dir).read_events()
+    except (OSError, RunDirError):
         return None
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("type") == type:
+    last = None
+    for rec in records:
+        if rec.get("type") == type:
             last = rec
     return last
 

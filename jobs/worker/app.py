@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -411,8 +412,8 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                                     {**record, "worker_id": job.get("worker_id")})
         else:
             rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
-            with open(rd.path / "control.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            if not await asyncio.to_thread(rd.append_control, record):  # a planted FIFO or link: refused
+                raise RunDirError(f"refusing {rd.path / 'control.jsonl'}: not a plain file of the run dir")
         return _json({"id": job["id"], "action": action, "status": job["status"], "attempt": job.get("attempt")}, 202)
     # ---- end of runner controls ---------------------------------------------------------------------
 
@@ -439,7 +440,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
             records, nxt = store.metric_records(job["id"], max(0, offset))
         else:
             rd = RunDir(job["run_dir"] or RunDir.for_job(home, job["id"]).path)
-            records, nxt = rd.read_metrics(max(0, offset))
+            records, nxt = rd.read_metrics(max(0, offset), strict=True)
         return _json({"offset": offset, "next_offset": nxt, "records": records})
 
     @app.get("/v1/events")
@@ -543,7 +544,7 @@ def _list_outputs(outputs: Path, limit: int = 2000) -> list[dict[str, Any]]:
                 st = os.lstat(p)
             except OSError:
                 continue
-            if not os.path.isfile(p) or os.path.islink(p):
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # what the safe reader would refuse
                 continue
             files.append({"path": os.path.relpath(p, outputs), "size": st.st_size, "mtime": st.st_mtime})
             if len(files) >= limit:
@@ -560,19 +561,7 @@ def add_job_file_routes(app: FastAPI) -> None:
     @app.get("/v1/jobs/{job_id}/events")
     def job_events(job_id: str) -> Response:
         run_path, _ = _outputs_dir(app, job_id)
-        records: list[dict[str, Any]] = []
-        try:
-            with open(run_path / "events.jsonl", "rb") as f:
-                for line in f.read(8 << 20).splitlines():
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(rec, dict):
-                        records.append(rec)
-        except OSError:
-            pass
-        return _json({"events": records})
+        return _json({"events": RunDir(run_path).read_events()})  # RunDirError: a named 409
 
     @app.get("/v1/jobs/{job_id}/outputs")
     def job_outputs(job_id: str) -> Response:
@@ -581,17 +570,15 @@ def add_job_file_routes(app: FastAPI) -> None:
 
     @app.get("/v1/jobs/{job_id}/outputs/{path:path}")
     def job_output_file(job_id: str, path: str) -> Response:
-        _, outputs = _outputs_dir(app, job_id)
-        listed = {f["path"]: f for f in _list_outputs(outputs)}
-        entry = listed.get(path)
-        if entry is None:
+        run_path, _ = _outputs_dir(app, job_id)
+        try:  # the safe reader: no link, FIFO, device or hard link, no file over the limit
+            data = RunDir(run_path).read_file(f"outputs/{path.strip('/')}", MAX_OUTPUT_FILE)
+        except FileNotFoundError:
             return _json({"error": f"no output file {path!r} in job {job_id}"}, 404)
-        if entry["size"] > MAX_OUTPUT_FILE:
-            return _json({"error": f"{path} is {entry['size']} bytes, over the {MAX_OUTPUT_FILE} limit"}, 413)
-        try:
-            fd = os.open(outputs / path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, "rb") as f:
-                data = f.read(MAX_OUTPUT_FILE + 1)
-        except OSError as exc:
-            return _json({"error": f"{path}: {exc.strerror or exc}"}, 404)
+        except IsADirectoryError:
+            return _json({"error": f"{path} is a directory in job {job_id}'s outputs"}, 404)
+        except RunDirError as exc:
+            if "-byte limit" in str(exc):
+                return _json({"error": str(exc), "too_large": True}, 413)
+            raise
         return Response(data, media_type="application/octet-stream")
