@@ -40,6 +40,7 @@ from jobs.errors import (
 )
 from jobs.home import ensure_token, secure_home
 from jobs.preflight import preflight
+from jobs.redact import redact_job, redact_spec
 from jobs.rundir import RunDir, utf8_safe_end
 from jobs.spec import MAX_SPEC_BYTES, JobSpec, parse_spec
 from jobs.store import TERMINAL, JobStore
@@ -331,12 +332,12 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
             raise StoreError(f"cannot create the job's run dir under {home / 'runs'}: {exc.strerror or exc}") from None
         sched.wake()
         metrics.submitted.labels(spec.kind).inc()
-        return _json(job, 201)
+        return _json(redact_job(job), 201)
 
     @app.post("/v1/validate")
     async def validate(request: Request) -> Response:
         spec, data = await _read_spec(request)
-        return _json({"ok": True, "kind": spec.kind, "name": spec.name, "spec": data})
+        return _json({"ok": True, "kind": spec.kind, "name": spec.name, "spec": redact_spec(data)})
 
     @app.get("/v1/jobs")
     def list_jobs(status: str | None = None, limit: int | None = None, view: str = "full") -> Response:
@@ -344,13 +345,17 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         if limit is not None:
             limit = max(0, min(limit, LIST_LIMIT_MAX))
         text = store.list_jobs_json(statuses, limit, summary=view == "summary")
+        if '"env"' in text:  # env values never leave the worker (the fast path stays for the rest)
+            page = json.loads(text)
+            page["jobs"] = [redact_job(j) for j in page.get("jobs") or []]
+            text = strict_json.dumps(page)
         return Response(text, media_type="application/json")
 
     @app.get("/v1/jobs/{job_id}")
     def show(job_id: str) -> Response:
         job = store.get_job(job_id)
         job["attempts"] = store.attempts(job["id"])
-        return _json(job)
+        return _json(redact_job(job))
 
     @app.delete("/v1/jobs/{job_id}")
     def delete(job_id: str) -> Response:
@@ -375,11 +380,11 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         if not dry:
             for job in gone:
                 _remove_run_dir(home, job, ident.id if store.shared else None)
-        return _json({"deleted": [j["id"] for j in gone], "dry_run": dry, "jobs": gone})
+        return _json({"deleted": [j["id"] for j in gone], "dry_run": dry, "jobs": [redact_job(j) for j in gone]})
 
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: str) -> Response:
-        return _json(sched.cancel(job_id))
+        return _json(redact_job(sched.cancel(job_id)))
 
     @app.post("/v1/jobs/{job_id}/retry")
     def retry(job_id: str) -> Response:
@@ -387,7 +392,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
         extra = parse_spec(job["spec"]).retry.max_attempts
         job = store.retry_job(job["id"], extra)
         sched.wake()
-        return _json(job)
+        return _json(redact_job(job))
 
     # ---- runner controls (issue 15): `offload-jobs signal JOB save|sample|stop` ---------------------
     # The smallest seam: one JSON line appended to the run dir's control.jsonl, which the train
