@@ -91,6 +91,50 @@ class EventBus:
             ev.set()
 
 
+class StoreHealth:
+    """Is the store answering? For /healthz and /readyz, never waiting on it longer than `probe_s`.
+
+    One cheap read at a time (at most every `fresh_s`; concurrent askers share it), plus the last
+    StoreError any route answered (a store that reads but cannot write still answers 503s).
+    """
+
+    def __init__(self, store: JobStore, probe_s: float = 2.0, fresh_s: float = 1.0, remember_s: float = 10.0) -> None:
+        self.store = store
+        self.probe_s, self.fresh_s, self.remember_s = probe_s, fresh_s, remember_s
+        self._task: asyncio.Future[str | None] | None = None
+        self._checked = -1e9
+        self._problem: str | None = None
+        self._answered: tuple[float, str] | None = None  # (when, what) of the last 503 a route gave
+
+    def answered_503(self, message: str) -> None:
+        self._answered = (time.monotonic(), message)
+
+    def _probe(self) -> str | None:
+        try:
+            self.store.last_event_id()
+            return None
+        except Exception as exc:  # any failure of the store is the answer, not an error of /healthz
+            return " ".join(str(exc).split()) or type(exc).__name__
+
+    async def check(self) -> dict[str, Any]:
+        now = time.monotonic()
+        if now - self._checked >= self.fresh_s:
+            if self._task is None or self._task.done():
+                self._task = asyncio.ensure_future(asyncio.to_thread(self._probe))
+            try:
+                self._problem = await asyncio.wait_for(asyncio.shield(self._task), self.probe_s)
+            except asyncio.TimeoutError:
+                self._problem = f"the store did not answer within {self.probe_s:g} s"
+            self._checked = time.monotonic()
+        out: dict[str, Any] = {"ok": self._problem is None}
+        if self._problem is not None:
+            out["error"] = self._problem
+        if self._answered is not None and now - self._answered[0] < self.remember_s:
+            out["ok"] = False
+            out["last_503"] = self._answered[1]
+        return out
+
+
 def open_store(home: Path, url: str | None = None) -> JobStore:
     """The store at `url` (a shared Postgres), else the state dir's, refusing to start over a store
     that lost the history beside it.
@@ -225,6 +269,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                   docs_url=None, redoc_url=None, openapi_url="/v1/openapi.json")
     app.state.store, app.state.scheduler, app.state.bus, app.state.home = store, sched, bus, home
     app.state.heartbeat, app.state.listener, app.state.worker = heartbeat, listener, state
+    store_health = app.state.store_health = StoreHealth(store)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> Response:
@@ -248,6 +293,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
 
     @app.exception_handler(StoreError)
     async def _store_down(_: Request, exc: StoreError) -> Response:
+        store_health.answered_503(str(exc))
         return _json({"error": str(exc), "store": True}, 503)
 
     @app.exception_handler(RequestValidationError)
@@ -298,11 +344,19 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                             f"no worker on this store can run it: {'; '.join(e for e in errors[:3] if e)}")
 
     @app.get("/healthz")
-    def healthz(challenge: str | None = None) -> Response:
-        out: dict[str, Any] = {"ok": True, "version": jobs.__version__, "pid": os.getpid(), "worker_id": ident.id}
+    async def healthz(challenge: str | None = None) -> Response:
+        """The process is alive (200), and how its store is: `store.ok` false while it does not answer."""
+        out: dict[str, Any] = {"ok": True, "version": jobs.__version__, "pid": os.getpid(), "worker_id": ident.id,
+                               "store": await store_health.check()}
         if challenge:  # proves to a client that we hold its token, before it sends the token
             out["proof"] = hmac.new(token.encode(), challenge[:256].encode(), hashlib.sha256).hexdigest()
         return _json(out)
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """200 when the worker can take and record jobs; 503 naming the store's problem when not."""
+        health = await store_health.check()
+        return _json({"ready": health["ok"], "store": health}, 200 if health["ok"] else 503)
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -483,8 +537,10 @@ def _remove_run_dir(home: Path, job: dict[str, Any], me: str | None = None) -> N
 
 async def _stream(store: JobStore, bus: EventBus, request: Request, last_id: int,
                   job_id: str | None = None) -> AsyncIterator[str]:
+    # An idle stream costs nothing: it sleeps until the bus wakes it (an event was written) or a
+    # keep-alive is due; no per-client polling. A client that goes away is noticed by Starlette,
+    # which listens for the disconnect and cancels this generator.
     yield "retry: 1000\n\n"
-    last_beat = time.monotonic()
     while not bus.stopping.is_set():
         waiter = bus.waiter()  # taken before reading, so no event slips between read and wait
         try:
@@ -496,15 +552,10 @@ async def _stream(store: JobStore, bus: EventBus, request: Request, last_id: int
             yield f"id: {ev['id']}\nevent: {ev['type']}\ndata: {strict_json.dumps(ev)}\n\n"
         if batch:
             continue
-        if await request.is_disconnected():
-            return
-        if time.monotonic() - last_beat > KEEPALIVE_S:
-            last_beat = time.monotonic()
-            yield ": keep-alive\n\n"
         try:
-            await asyncio.wait_for(waiter.wait(), timeout=1.0)
+            await asyncio.wait_for(waiter.wait(), timeout=KEEPALIVE_S)
         except asyncio.TimeoutError:
-            pass
+            yield ": keep-alive\n\n"
 
 
 def _fit_error(spec: JobSpec, vram: list[int], who: str) -> str | None:
