@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 from cluster_helpers import ClusterWorker
 from jobs_helpers import REPO, WorkerProcess
 
