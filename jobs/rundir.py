@@ -165,6 +165,21 @@ class RunDir:
                 raise RunDirError(f"refusing {self.path / name}: {size} bytes, over the {max_bytes}-byte limit")
             return self._read_fd(fd, name, 0, size)
 
+    def copy_file(self, name: str, dest: str | os.PathLike[str]) -> int:
+        """Copy `name` (a/b under this dir) to `dest` through the safe open; bytes copied. RunDirError when
+        unsafe (a FIFO, device, link or hard link swapped in after a listing is refused, not followed)."""
+        with self._open(name, os.O_RDONLY) as fd:
+            size = os.fstat(fd).st_size
+            with open(dest, "wb") as out:
+                offset = 0
+                while offset < size:
+                    data = os.pread(fd, min(_CHUNK * 8, size - offset), offset)
+                    if not data:
+                        break
+                    out.write(data)
+                    offset += len(data)
+            return offset
+
     def read_events(self, max_bytes: int = 8 << 20) -> list[dict[str, Any]]:
         """The job's events.jsonl as records (the first `max_bytes`); RunDirError when unsafe."""
         data, _ = self._read_bytes("events.jsonl", 0, max_bytes)

@@ -105,6 +105,12 @@ def test_report_and_show_still_answer_with_the_refusal_noted(attacked, tmp_path:
         res = subprocess.run([sys.executable, "-m", "jobs", "show", jobs[attack], "--json"],
                              capture_output=True, text=True, env=env, timeout=60)
         assert res.returncode == 0, res.stderr
+    for attack in ("symlink", "hardlink"):  # `outputs --copy` reads the run dir from this machine's disk
+        dest = tmp_path / f"copy-{attack}"
+        res = subprocess.run([sys.executable, "-m", "jobs", "outputs", jobs[attack], "--copy", str(dest), "--json"],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert '"files": []' in res.stdout and not any(p.is_file() for p in dest.rglob("*")), res.stdout
 
 
 def test_sigterm_stops_the_worker_after_the_attacks(attacked) -> None:
