@@ -14,6 +14,11 @@ into the container), so the worker, which may be root, treats every name in it a
 opens files relative to the directory's own descriptor with O_NOFOLLOW, never blocks on a FIFO,
 and reads or appends only regular files with one link. A symlink planted as `output.log` is
 refused, never followed.
+
+Every read of a run dir by the worker's API, `report` and the shipping of output goes through
+`_open` (O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file with one link) and `_read_fd`
+(bounded bytes, bounded time): a FIFO, a device, a symlink or a hard link planted by the job is a
+`RunDirError` naming the file, answered at once, never a thread blocked for good.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 from jobs import strict_json
 from jobs.errors import RunDirError
 
-__all__ = ["RunDir", "utf8_safe_end", "EXIT_FILE", "REPORT_FILE"]
+__all__ = ["RunDir", "utf8_safe_end", "EXIT_FILE", "REPORT_FILE", "MAX_READ", "READ_DEADLINE_S"]
 
 log = logging.getLogger("offload_jobs.rundir")
 
@@ -39,6 +44,9 @@ EXIT_FILE = "exit.json"
 REPORT_FILE = "report.json"
 STOP_FILE = "stop.json"
 _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+MAX_READ = 64 << 20  # no single read of a run-dir file returns more
+READ_DEADLINE_S = 2.0  # a read slower than this (a stalled network filesystem) is refused, not waited on
+_CHUNK = 1 << 20
 
 
 class RunDir:
@@ -60,27 +68,58 @@ class RunDir:
     # ------------------------------------------------------------ safe access
     @contextmanager
     def _open(self, name: str, flags: int, *, write: bool = False) -> Iterator[int]:
-        """A descriptor of `name` in this dir, refusing anything but a plain regular file."""
+        """A descriptor of `name` (a plain name, or a/b/c under this dir) refusing anything but a
+        regular file with one link, reached through no symlink."""
+        parts = name.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise RunDirError(f"refusing {self.path / name}: not a plain relative path")
         dfd = self._dir_fd()
+        shown = self.path / name
         try:
+            for part in parts[:-1]:  # each directory on the way, never through a link
+                try:
+                    sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _SAFE, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise RunDirError(f"refusing {shown}: {part} is not a plain directory") from None
+                    raise
+                os.close(dfd)
+                dfd = sub
             try:
-                fd = os.open(name, flags | _SAFE, 0o600, dir_fd=dfd)
+                fd = os.open(parts[-1], flags | _SAFE, 0o600, dir_fd=dfd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
-                    raise RunDirError(f"refusing {self.path / name}: it is a symbolic link") from None
+                    raise RunDirError(f"refusing {shown}: it is a symbolic link") from None
+                if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
+                    raise RunDirError(f"refusing {shown}: not a regular file (a FIFO)") from None
                 raise
         finally:
             os.close(dfd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise RunDirError(f"refusing {self.path / name}: not a regular file")
-            if write and st.st_nlink != 1:
-                raise RunDirError(f"refusing {self.path / name}: it has {st.st_nlink} hard links")
+                raise RunDirError(f"refusing {shown}: not a regular file ({_kind(st.st_mode)})")
+            if st.st_nlink != 1:  # a hard link to a file elsewhere: neither read nor written
+                raise RunDirError(f"refusing {shown}: it has {st.st_nlink} hard links")
             os.set_blocking(fd, True)
             yield fd
         finally:
             os.close(fd)
+
+    def _read_fd(self, fd: int, name: str, offset: int, n: int) -> bytes:
+        """`n` bytes from `offset`, in chunks, within READ_DEADLINE_S (a stalled file is refused)."""
+        deadline = time.monotonic() + READ_DEADLINE_S
+        out: list[bytes] = []
+        while n > 0:
+            if time.monotonic() > deadline:
+                raise RunDirError(f"refusing {self.path / name}: reading it took over {READ_DEADLINE_S:g} s")
+            data = os.pread(fd, min(n, _CHUNK), offset)
+            if not data:
+                break
+            out.append(data)
+            offset += len(data)
+            n -= len(data)
+        return b"".join(out)
 
     def _dir_fd(self) -> int:
         try:
@@ -96,14 +135,55 @@ class RunDir:
             return os.dup(fd)
 
     def _read_bytes(self, name: str, offset: int = 0, limit: int | None = None) -> tuple[bytes, int]:
-        """(bytes from `offset`, file size); a missing file reads as empty."""
+        """(bytes from `offset`, at most `limit` or MAX_READ, file size); a missing file reads as empty."""
+        limit = MAX_READ if limit is None else min(limit, MAX_READ)
         try:
             with self._open(name, os.O_RDONLY) as fd:
                 size = os.fstat(fd).st_size
-                n = size - offset if limit is None else min(limit, size - offset)
-                return (os.pread(fd, n, offset) if n > 0 else b""), size
+                return self._read_fd(fd, name, offset, min(limit, size - offset)), size
         except FileNotFoundError:
             return b"", 0
+
+    def read_bytes(self, name: str, offset: int = 0, limit: int | None = None) -> tuple[bytes, int]:
+        """(bytes of `name` from `offset`, at most `limit` or MAX_READ, its size); RunDirError when unsafe."""
+        return self._read_bytes(name, offset, limit)
+
+    def size_of(self, name: str) -> int:
+        """The size of `name`, through the safe open (0 when missing); RunDirError when unsafe."""
+        try:
+            with self._open(name, os.O_RDONLY) as fd:
+                return os.fstat(fd).st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_file(self, name: str, max_bytes: int = MAX_READ) -> bytes:
+        """The whole of `name` (a/b under this dir), refused (RunDirError) when over `max_bytes` or unsafe.
+        A missing file raises FileNotFoundError."""
+        with self._open(name, os.O_RDONLY) as fd:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise RunDirError(f"refusing {self.path / name}: {size} bytes, over the {max_bytes}-byte limit")
+            return self._read_fd(fd, name, 0, size)
+
+    def copy_file(self, name: str, dest: str | os.PathLike[str]) -> int:
+        """Copy `name` (a/b under this dir) to `dest` through the safe open; bytes copied. RunDirError when
+        unsafe (a FIFO, device, link or hard link swapped in after a listing is refused, not followed)."""
+        with self._open(name, os.O_RDONLY) as fd:
+            size = os.fstat(fd).st_size
+            with open(dest, "wb") as out:
+                offset = 0
+                while offset < size:
+                    data = os.pread(fd, min(_CHUNK * 8, size - offset), offset)
+                    if not data:
+                        break
+                    out.write(data)
+                    offset += len(data)
+            return offset
+
+    def read_events(self, max_bytes: int = 8 << 20) -> list[dict[str, Any]]:
+        """The job's events.jsonl as records (the first `max_bytes`); RunDirError when unsafe."""
+        data, _ = self._read_bytes("events.jsonl", 0, max_bytes)
+        return _records(data.splitlines())
 
     def _append(self, name: str, data: bytes, *, newline_guard: bool = False) -> bool:
         """Append `data` to a regular file of this dir; False (and a warning) when refused or failed."""
@@ -148,28 +228,33 @@ class RunDir:
 
     # ------------------------------------------------------------ reading
     def read_log(self, offset: int = 0, limit: int | None = None) -> tuple[int, bytes, int]:
-        """(start, bytes, size): a chunk of output.log; a negative offset counts from the end.
+        """(start, bytes, size): a chunk of output.log (at most `limit` or MAX_READ bytes); a negative
+        offset counts from the end.
 
         Raises RunDirError when output.log is a symlink or not a regular file.
         """
+        limit = MAX_READ if limit is None else min(limit, MAX_READ)
         try:
             with self._open("output.log", os.O_RDONLY) as fd:
                 size = os.fstat(fd).st_size
                 start = max(0, size + offset) if offset < 0 else min(offset, size)
-                n = size - start if limit is None else min(limit, size - start)
-                data = os.pread(fd, n, start) if n > 0 else b""
+                data = self._read_fd(fd, "output.log", start, min(limit, size - start))
                 return start, data, size
         except FileNotFoundError:
             return 0, b"", 0
 
-    def read_metrics(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """(records, next_offset): complete lines of metrics.jsonl from `offset`; bad lines are skipped.
+    def read_metrics(self, offset: int = 0, *, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
+        """(records, next_offset): complete lines of metrics.jsonl from `offset` (MAX_READ bytes at a
+        time; next_offset continues); bad lines are skipped.
 
-        NaN and Infinity read as null. An unsafe metrics file reads as no records.
+        NaN and Infinity read as null. An unsafe metrics file reads as no records, or raises
+        RunDirError when `strict` (the API names the refusal).
         """
         try:
             data, _ = self._read_bytes("metrics.jsonl", offset)
         except RunDirError as exc:
+            if strict:
+                raise
             log.warning("%s", exc)
             return [], offset
         end = data.rfind(b"\n") + 1  # a half-written last line waits for the next read
@@ -180,7 +265,7 @@ class RunDir:
             with self._open("metrics.jsonl", os.O_RDONLY) as fd:
                 size = os.fstat(fd).st_size
                 start = max(0, size - tail_bytes)
-                data = os.pread(fd, size - start, start)
+                data = self._read_fd(fd, "metrics.jsonl", start, size - start)
         except (FileNotFoundError, RunDirError):
             return None
         for line in reversed(data.splitlines()):
@@ -256,6 +341,14 @@ class RunDir:
             os.close(dfd)
 
     clear_exit_report = clear_report
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return "not a plain file"
 
 
 def _records(lines: list[bytes]) -> list[dict[str, Any]]:

@@ -7,8 +7,7 @@ mounted at the same path).
 
 from __future__ import annotations
 
-import json
-import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -16,6 +15,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from jobs._cli.output import CliError, console, fmt_duration, print_json
+from jobs.errors import RunDirError
+from jobs.rundir import RunDir
 
 __all__ = ["outputs", "run_state", "list_outputs"]
 
@@ -37,8 +38,11 @@ def list_outputs(run_dir: Path) -> list[dict[str, Any]]:
         return []
     out = []
     for f in sorted(root.rglob("*")):
-        if f.is_file() and not f.name.startswith("."):
-            st = f.stat()
+        try:
+            st = f.lstat()  # a link planted by the job is neither listed nor followed, nor a hard-linked file
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not f.name.startswith("."):
             out.append({"path": f.relative_to(root).as_posix(), "bytes": st.st_size, "modified": st.st_mtime,
                         "abs_path": str(f)})
     return out
@@ -58,18 +62,13 @@ def _checkpoints(run_dir: Path) -> dict[str, Any]:
 
 
 def _last_event(run_dir: Path, type: str) -> dict[str, Any] | None:
-    path = run_dir / "events.jsonl"
-    last = None
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
+    try:  # the safe reader: a FIFO or link planted as events.jsonl must not hang `show`
+        records = RunDir(run_dir).read_events()
+    except (OSError, RunDirError):
         return None
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("type") == type:
+    last = None
+    for rec in records:
+        if rec.get("type") == type:
             last = rec
     return last
 
@@ -111,7 +110,10 @@ def outputs(
         for f in files:
             target = dest / f["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f["abs_path"], target)
+            try:  # the run dir's safe reader: a file swapped for a FIFO or link since the listing is refused
+                RunDir(run_dir).copy_file(f"outputs/{f['path']}", target)
+            except RunDirError as exc:
+                raise CliError(str(exc)) from None
             copied.append(str(target))
     if json_out:
         print_json({"id": data["id"], "outputs_dir": str(run_dir / "outputs"), "files": files,

@@ -24,13 +24,28 @@ from typing import Any
 from jobs.executors import proctree
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
 from jobs.rundir import RunDir
+from jobs.vocab import RUNNER_ENV_OPTIONS
 
-__all__ = ["ProcessExecutor", "LAUNCHER"]
+__all__ = ["ProcessExecutor", "LAUNCHER", "JOB_CONTRACT_ENV", "job_environment"]
 
 log = logging.getLogger("offload_jobs.executor.process")
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 INFO_TIMEOUT_S = 30.0  # the launcher answers in ~30 ms; a loaded box may take seconds
+
+# The OFFLOAD_JOBS_* names a job gets: its run-dir contract and identity (jobs/runners job_env, the
+# scheduler), and the runner options a spec may set. Every other OFFLOAD_JOBS_* variable is the
+# worker's own (its store URL with a Postgres password, its token, its home) and never reaches a job.
+JOB_CONTRACT_ENV = frozenset({
+    "OFFLOAD_JOBS_RUN_DIR", "OFFLOAD_JOBS_METRICS", "OFFLOAD_JOBS_OUTPUTS", "OFFLOAD_JOBS_EXIT_REPORT",
+    "OFFLOAD_JOBS_JOB_ID", "OFFLOAD_JOBS_ATTEMPT", "OFFLOAD_JOBS_WORKER_ID",
+}) | RUNNER_ENV_OPTIONS
+
+
+def job_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` with only the allowed OFFLOAD_JOBS_* names (the launcher's too: a job can read
+    /proc/<launcher>/environ, so the launcher starts from this as well)."""
+    return {k: v for k, v in env.items() if not k.startswith("OFFLOAD_JOBS_") or k in JOB_CONTRACT_ENV}
 
 
 class _Held:
@@ -67,7 +82,7 @@ class ProcessExecutor(Executor):
 
     # ------------------------------------------------------------ start
     def prepare(self, launch: Launch) -> Handle:
-        env = dict(launch.env)
+        env = job_environment(launch.env)
         if launch.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in launch.gpus)
         cgroup = None

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
-from jobs.executors.process import LAUNCHER, exit_from_record
+from jobs.executors.process import LAUNCHER, exit_from_record, job_environment
 from jobs.rundir import RunDir
 
 __all__ = ["SlurmExecutor", "sbatch_args", "batch_script", "slurm_job_name"]
@@ -135,7 +135,7 @@ class SlurmExecutor(Executor):
         rd = launch.run_dir
         script = rd.path / f"slurm-{launch.attempt}.sh"
         _write_new(script, batch_script(launch))
-        env = {k: v for k, v in launch.env.items() if not k.startswith("SLURM_")}
+        env = {k: v for k, v in job_environment(launch.env).items() if not k.startswith("SLURM_")}
         gpus = launch.gpu_request
         cp = self._run(["sbatch", *sbatch_args(launch, gpus, self.site_args), str(script)], env=env)
         if cp.returncode != 0:

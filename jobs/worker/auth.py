@@ -5,13 +5,14 @@ the bearer token and Host header (`AuthMiddleware`), and a size limit on request
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["AuthMiddleware", "BodyLimitMiddleware", "allowed_hosts"]
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> set[str]:
@@ -24,15 +25,22 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> set[str]:
     return hosts
 
 
-def _host_name(value: str) -> str:
+# A Host header is a name (or a bracketed IPv6 literal) and an optional numeric port, nothing else:
+# `127.0.0.1:8765@evil.com` or `127.0.0.1:80/x` is refused, not cut at its last colon.
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9._-]+)(?::[0-9]{1,5})?")
+
+
+def _host_name(value: str) -> str | None:
+    """The name part of a Host header, lower-cased; None when the header is not a plain host[:port]."""
     value = value.strip().lower()
-    if value.startswith("["):  # [::1]:8765
-        return value[: value.find("]") + 1] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    m = _HOST.fullmatch(value)
+    if m is not None:
+        return m.group(1)
+    return value if value in ("::1",) else None  # a bare IPv6 loopback, as older clients send it
 
 
 class AuthMiddleware:
-    """401 without the bearer token (except /healthz); 400 for a Host header not in `hosts` (DNS rebinding)."""
+    """401 without the bearer token (except /healthz and /readyz); 400 for a Host header not in `hosts` (DNS rebinding)."""
 
     def __init__(self, app: Any, token: str, hosts: set[str]) -> None:
         self.app = app
@@ -45,7 +53,8 @@ class AuthMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         host = headers.get(b"host", b"").decode("latin-1")
-        if _host_name(host) not in self.hosts:
+        name = _host_name(host)
+        if name is None or name not in self.hosts:
             await _reply(send, 400, {"error": f"refused Host header {host!r}"})
             return
         if scope.get("path") not in OPEN_PATHS:

@@ -110,8 +110,10 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
                          worker_id=worker_id, heartbeat_timeout=heartbeat_timeout,
                          gpu_vram=parse_vram_list(vram_text) if vram_text else None, max_slurm_jobs=max_slurm_jobs,
                          public_url=advertise_url)
+        from jobs.worker.http_protocol import GuardedHTTPProtocol  # a header-read timeout (slow clients)
+
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=5, access_log=False)
+                                timeout_graceful_shutdown=5, access_log=False, http=GuardedHTTPProtocol)
         # uvicorn re-raises the signal that stopped it once it has shut down; make that a clean return.
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from jobs import strict_json
+from jobs.errors import RunDirError
 from jobs.rundir import RunDir
 
 __all__ = ["Shipment", "LOG_SHIP_MAX", "SHIP_EVERY_S"]
@@ -39,8 +40,8 @@ class Shipment:
     @classmethod
     def begin(cls, run_dir: RunDir) -> "Shipment":
         """Before the attempt writes anything (its first log line is the worker's 'starting' note)."""
-        log_size = _size(run_dir.log_file)
-        metrics_size = _size(run_dir.metrics_file)
+        log_size = _size(run_dir, "output.log")
+        metrics_size = _size(run_dir, "metrics.jsonl")
         return cls(log_size, metrics_size, metrics_offset=metrics_size)
 
     @classmethod
@@ -84,10 +85,10 @@ class Shipment:
         self.metrics_offset = offset
 
 
-def _size(path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
+def _size(run_dir: RunDir, name: str) -> int:
+    try:  # fstat of the safe descriptor: a planted FIFO or link counts as empty, never blocks
+        return run_dir.size_of(name)
+    except (OSError, RunDirError):
         return 0
 
 
@@ -95,20 +96,19 @@ def _offset_after(run_dir: RunDir, start: int, n: int) -> int:
     """The byte offset just past the `n`-th record `read_metrics` would give from `start`."""
     offset, count = start, 0
     try:
-        with open(run_dir.metrics_file, "rb") as f:  # the worker's own run dir; read_metrics vetted it
-            f.seek(start)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                offset += len(line)
-                try:
-                    rec = strict_json.loads(line)
-                except (ValueError, RecursionError):
-                    continue
-                if isinstance(rec, dict):
-                    count += 1
-                    if count == n:
-                        break
-    except OSError:
-        pass
+        data, _ = run_dir.read_bytes("metrics.jsonl", start)
+    except (OSError, RunDirError):
+        return offset
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        offset += len(line)
+        try:
+            rec = strict_json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict):
+            count += 1
+            if count == n:
+                break
     return offset

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from tui_helpers import REPO, cell_text, engine_job, make_app, until
 
 from tui.screens.detail import DetailScreen
@@ -189,7 +190,9 @@ async def test_submit_screen_bad_override_then_a_job_that_succeeds(worker, monke
         await until(pilot, lambda: app.jobs.get(jid, {}).get("status") == "SUCCEEDED", what="SUCCEEDED",
                     timeout=120)
     job = worker.client().get(jid)
-    assert job["spec"]["env"]["TOY_STEPS"] == "3" and job["spec"]["limits"]["stop_grace"] == 3.0
+    assert job["spec"]["env"]["TOY_STEPS"] == "***" and job["spec"]["limits"]["stop_grace"] == 3.0  # env values never leave
+    stored = yaml.safe_load((Path(job["run_dir"]) / "spec.yaml").read_text())  # what the job ran with
+    assert stored["env"]["TOY_STEPS"] == "3"
 
 
 async def test_live_rows_are_reread_less_often_while_the_table_is_covered(worker) -> None:
