@@ -24,7 +24,7 @@ from typing import Any
 from jobs.executors import proctree
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
 from jobs.rundir import RunDir
-from jobs.vocab import RUNNER_ENV_OPTIONS
+from jobs.contract import RUNNER_ENV_OPTIONS
 
 __all__ = ["ProcessExecutor", "LAUNCHER", "JOB_CONTRACT_ENV", "job_environment"]
 
