@@ -406,6 +406,8 @@ class _Core:
                 "disk_stream_slots": self.n_stream,
                 "disk_stream_bytes": self.stream.capacity_bytes,
                 "disk_emergency_buffers": self.emergency,
+                "disk_first_read_checks": self.reader.first_checks,  # units checked on their first read here
+                "disk_sha256_checks": self.reader.full_checks,  # disk_verify: every read
             }
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from ..config import Granularity
 from ..quant import quantize
 from ..units import Unit
+from . import checksum
 from .errors import ShardError, ShardWriteError, one_line
 from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, PROGRESS_NAME, SLAB_ALIGN,
                      ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
@@ -135,12 +136,12 @@ def _write_error(path: Path, exc: OSError) -> ShardWriteError:
     return ShardWriteError(f"{path}: cannot write: {exc.strerror or one_line(exc)}")
 
 
-def _write_zeros(f: Any, n: int, digest: Any = None) -> None:
+def _write_zeros(f: Any, n: int, *digests: Any) -> None:
     while n > 0:
         k = min(n, len(_ZEROS))
         f.write(_ZEROS[:k])
-        if digest is not None:
-            digest.update(_ZEROS[:k])
+        for d in digests:
+            d.update(_ZEROS[:k])
         n -= k
 
 
@@ -172,32 +173,37 @@ def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
         pos = plan.data_start
         for s in plan.slabs:
             _write_zeros(f, s.offset - pos)
-            digest = hashlib.sha256()
+            digests = [hashlib.sha256(), *filter(None, [checksum.fast_hasher()])]
             at = 0
             for t in sorted(s.tensors, key=lambda t: t.offset):
-                _write_zeros(f, t.offset - at, digest)
+                _write_zeros(f, t.offset - at, *digests)
                 buf = torch.empty(t.shape, dtype=t.dtype)
                 t.scale = produce(t, buf)
                 data = writable_buffer(buf)
-                digest.update(data)
+                for d in digests:
+                    d.update(data)
                 f.write(data)
                 del data, buf
                 at = t.offset + t.nbytes
-            _write_zeros(f, s.nbytes - at, digest)
-            s.sha256 = digest.hexdigest()
+            _write_zeros(f, s.nbytes - at, *digests)
+            s.sha256 = digests[0].hexdigest()
+            s.xxh3 = digests[1].hexdigest() if len(digests) > 1 else ""
             pos = s.offset + s.nbytes
         _write_zeros(f, plan.nbytes - pos)
 
 
-def _slab_sha256(path: Path, s: SlabEntry) -> str:
-    digest = hashlib.sha256()
+def _slab_digests(path: Path, s: SlabEntry) -> tuple[str, str]:
+    """(sha256, xxh3) of a slab as it is on disk ("" for xxh3 without the xxhash package)."""
+    digest, fast = hashlib.sha256(), checksum.fast_hasher()
     with open(path, "rb") as f:
         f.seek(s.offset)
         left = s.nbytes
         while left and (chunk := f.read(min(left, 16 << 20))):
             digest.update(chunk)
+            if fast is not None:
+                fast.update(chunk)
             left -= len(chunk)
-    return digest.hexdigest()
+    return digest.hexdigest(), fast.hexdigest() if fast is not None else ""
 
 
 def _reusable(dst: Path, plan: _FilePlan, done: dict[str, Any]) -> bool:
@@ -212,14 +218,20 @@ def _reusable(dst: Path, plan: _FilePlan, done: dict[str, Any]) -> bool:
         if f.read(8 + len(plan.header)) != struct.pack("<Q", len(plan.header)) + plan.header:
             return False
     hashes, scales = prev.get("sha256", {}), prev.get("scales", {})
-    ok = all(_slab_sha256(path, s) == hashes.get(s.name) for s in plan.slabs)
-    drop_page_cache(path)
-    if ok:
+    digests: dict[str, tuple[str, str]] = {}
+    for s in plan.slabs:
+        digests[s.name] = _slab_digests(path, s)
+        if digests[s.name][0] != hashes.get(s.name):
+            break
+    else:
         for s in plan.slabs:
-            s.sha256 = hashes[s.name]
+            s.sha256, s.xxh3 = digests[s.name]
             for t in s.tensors:
                 t.scale = scales.get(t.name)
-    return ok
+        drop_page_cache(path)
+        return True
+    drop_page_cache(path)
+    return False
 
 
 def _fsync_dir(path: Path) -> None:
