@@ -217,6 +217,7 @@ class ShardSpec(_Strict):
     src: Optional[str] = Field(None, description="Diffusers folder or single-file checkpoint.")
     dst: Optional[str] = Field(None, description="Output shard directory.")
     dtype: Optional[str] = Field(None, description="Convert to this dtype (bfloat16, float8_e4m3fn).")
+    overwrite: bool = Field(False, description="Write into a non-empty dst this tool did not write (its other files stay).")
 
 
 class ResourcesSpec(_Strict):
