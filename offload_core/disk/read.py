@@ -61,6 +61,15 @@ class UnitReader:
         Returns the bytes read from the disk and whether the read was O_DIRECT. Raises
         ShardReadError / ShardChecksumError naming the file.
         """
+        length, direct, first = self.read_unchecked(entry, buf)
+        if first is not None:
+            self.check_first_read(entry, buf, first)
+        return length, direct
+
+    def read_unchecked(self, entry: SlabEntry, buf: torch.Tensor) -> tuple[int, bool, os.stat_result | None]:
+        """``read_into`` less the first-read check: also returns the file's stat when that check is
+        still due (pass it to ``check_first_read`` before the bytes are used), else None.
+        With ``verify=True`` the sha256 is checked here, on every read."""
         path = self.root / entry.file
         aligned = buf.data_ptr() % FILE_ALIGN == 0 and buf.numel() >= entry.read_nbytes
         direct = self.direct and aligned and entry.file not in self._no_direct
@@ -101,9 +110,12 @@ class UnitReader:
             with self._lock:
                 self.full_checks += 1
         elif not checksum.seen(st, entry.offset, entry.nbytes):
-            self.check_first(entry, buf, path)
-            checksum.mark_seen(st, entry.offset, entry.nbytes)
-        return length, direct
+            return length, direct, st
+        return length, direct, None
+
+    def check_first_read(self, entry: SlabEntry, buf: torch.Tensor, st: os.stat_result) -> None:
+        self.check_first(entry, buf, self.root / entry.file)
+        checksum.mark_seen(st, entry.offset, entry.nbytes)
 
     @staticmethod
     def _pread(fd: int, buf: torch.Tensor, offset: int, path: Path, unit: str) -> None:
