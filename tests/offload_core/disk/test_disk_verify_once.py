@@ -163,3 +163,19 @@ def test_the_engine_refuses_a_changed_shard_by_default(tmp_path: Path) -> None:
     with pytest.raises(ShardChecksumError, match=f"^{bad}: unit blocks.4"):
         with torch.no_grad():
             model(torch.randn(2, 32))
+
+
+def test_a_single_tensor_read_checks_its_whole_slab_first(tmp_path: Path, stack: tuple) -> None:
+    """materialize() and view() read one tensor at a time: the slab it lies in is checked first (once)."""
+    from offload_core.disk.read import UnitReader
+
+    _, units, index = _copy(tmp_path, stack)
+    entry = index.units[units[2].name]
+    good = UnitReader(index)
+    assert good.read_tensor(entry, entry.tensors[-1]).numel() > 0 and good.first_checks == 1
+    good.read_tensor(entry, entry.tensors[0])
+    assert good.first_checks == 1  # once per slab
+    checksum.forget_all()
+    bad = _scale_one_tensor(index, units[2].name)  # tensors[0]; the read below asks for another one
+    with pytest.raises(ShardChecksumError, match=f"^{bad}: unit {units[2].name}"):
+        UnitReader(index).read_tensor(entry, entry.tensors[-1])
