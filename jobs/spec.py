@@ -193,7 +193,8 @@ class OffloadSpec(_Strict):
         None, description="Disk tier: pinned host bytes for the staging slots and the cache (0: no cache).")
     disk_cache_policy: Optional[Literal["belady", "fifo", "lru"]] = Field(
         None, description="Disk cache eviction: next use in the traced order (belady), or fifo/lru.")
-    disk_verify: Optional[bool] = Field(None, description="Check each unit read from disk against its sha256.")
+    disk_verify: Optional[bool] = Field(None, description="Check every unit read from disk against its sha256 "
+                                        "(unset: each unit's fast checksum on its first read in the job).")
     disk_direct: Optional[bool] = Field(None, description="O_DIRECT disk reads (default: where the filesystem allows).")
     disk_stream_slots: Optional[int] = Field(
         None, ge=1, le=1024, description="Staging slots the disk workers read into (default num_disk_workers + 2).")
@@ -218,6 +219,7 @@ class ShardSpec(_Strict):
     src: Optional[str] = Field(None, description="Diffusers folder or single-file checkpoint.")
     dst: Optional[str] = Field(None, description="Output shard directory.")
     dtype: Optional[str] = Field(None, description="Convert to this dtype (bfloat16, float8_e4m3fn).")
+    overwrite: bool = Field(False, description="Write into a non-empty dst this tool did not write (its other files stay).")
 
 
 class ResourcesSpec(_Strict):

@@ -13,7 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobs.spec_yaml import MAX_INT
 
-__all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec"]
+__all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec", "MAX_SIDE", "MAX_FRAMES"]
+
+# Sizes a spec (or a prompt's inline --w/--h/--f) may ask for. 8192 a side is 4x the largest size
+# these families are trained at; a larger one only ever asked the host for tens of GB and failed.
+# What the machine's memory allows within these is checked at setup (jobs.runners.inputs).
+MAX_SIDE = 8192
+MAX_FRAMES = 10_000
 
 FAMILIES = ("flux", "qwen-image", "wan", "sd3")
 Family = Literal["flux", "qwen-image", "wan", "sd3"]
@@ -21,6 +27,18 @@ Family = Literal["flux", "qwen-image", "wan", "sd3"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=False, allow_inf_nan=False)
+
+
+def _inline_options(value: object) -> object:
+    """A prompt's inline --w/--h/--f/... checked at submit, as the runner will read them."""
+    from jobs.runners.prompts import PromptError, PromptSpec, parse_prompt  # import here: jobs.runners imports jobs.spec
+
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        try:
+            parse_prompt(text, PromptSpec(prompt=""))
+        except PromptError as exc:
+            raise ValueError(str(exc)) from None
+    return value
 
 
 def _names(value: object) -> object:
@@ -44,8 +62,8 @@ class TrainSpec(_Strict):
     caption_column: str = Field("text", description="Caption column of metadata.jsonl / .csv.")
     image_column: str = Field("file_name", description="File column of metadata.jsonl / .csv.")
     repeats: int = Field(1, ge=1, le=10_000, description="Times each item appears per epoch.")
-    max_pixels: int = Field(1024 * 1024, ge=64, le=1 << 28, description="Largest bucket area (width x height) in pixels.")
-    num_frames: int = Field(1, ge=1, le=10_000, description="Wan: frames taken from each clip (4k+1 for the real VAE).")
+    max_pixels: int = Field(1024 * 1024, ge=64, le=MAX_SIDE * MAX_SIDE, description="Largest bucket area (width x height) in pixels.")
+    num_frames: int = Field(1, ge=1, le=MAX_FRAMES, description="Wan: frames taken from each clip (4k+1 for the real VAE).")
     steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps (unless num_epochs is set).")
     num_epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Passes over the dataset (instead of steps).")
     batch_size: int = Field(1, ge=1, le=65536, description="Items per micro-batch, all from one aspect bucket.")
@@ -77,12 +95,14 @@ class TrainSpec(_Strict):
         None, description="Prompts (a list, or a file with one per line), each optionally with --w --h --seed --steps --guidance --n.")
     sample_steps: int = Field(20, ge=1, le=100_000)
     sample_guidance: Optional[float] = Field(None, ge=0.0, le=1e4, description="Default: the family's.")
-    sample_width: Optional[int] = Field(None, ge=8, le=65536)
-    sample_height: Optional[int] = Field(None, ge=8, le=65536)
+    sample_width: Optional[int] = Field(None, ge=8, le=MAX_SIDE)
+    sample_height: Optional[int] = Field(None, ge=8, le=MAX_SIDE)
     cache_dir: Optional[str] = Field(None, description="Latent and text-embedding cache; default <state dir>/cache.")
     output_name: str = Field("lora", description="Base name of the LoRA file written to outputs/.")
 
     _split = field_validator("lora_target_modules", mode="before")(_names)
+    _sample_options = field_validator("sample_prompts")(
+        lambda v: _inline_options(v) if isinstance(v, list) else v)  # a file is read at setup
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":
@@ -98,9 +118,9 @@ class InferSpec(_Strict):
     negative_prompt: Optional[str] = None
     steps: int = Field(28, ge=1, le=10**9)
     guidance: Optional[float] = Field(None, ge=0.0, le=1e4, description="Flux: distilled guidance; Qwen-Image: true CFG; Wan: CFG. Default: the family's.")
-    height: int = Field(1024, ge=8, le=65536)
-    width: int = Field(1024, ge=8, le=65536)
-    num_frames: int = Field(17, ge=1, le=10_000, description="Wan: frames per video (4k+1).")
+    height: int = Field(1024, ge=8, le=MAX_SIDE)
+    width: int = Field(1024, ge=8, le=MAX_SIDE)
+    num_frames: int = Field(17, ge=1, le=MAX_FRAMES, description="Wan: frames per video (4k+1).")
     fps: int = Field(16, ge=1, le=1000, description="Wan: frames per second of the written video.")
     seed: int = Field(0, ge=0, le=MAX_INT)
     seeds: Optional[list[Annotated[int, Field(ge=0, le=MAX_INT)]]] = Field(None, max_length=10_000, description="One image per seed (overrides seed and num_images).")
@@ -108,3 +128,5 @@ class InferSpec(_Strict):
     lora: Optional[str] = Field(None, description="A LoRA .safetensors path, or the id of a train job whose LoRA to use.")
     lora_scale: float = Field(1.0, ge=-1e3, le=1e3)
     max_sequence_length: Optional[int] = Field(None, ge=1, le=65536)
+
+    _prompt_options = field_validator("prompt")(_inline_options)

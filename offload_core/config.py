@@ -76,7 +76,7 @@ class OffloadConfig:
     num_disk_workers: int = 2
     max_memory: int | str | None = None
     disk_cache_policy: str = "belady"  # next use in the traced order; "fifo" and "lru" are ablations
-    disk_verify: bool = False  # sha256 of every unit read, against the index
+    disk_verify: bool = False  # sha256 of every unit read; off, each unit's xxh3 is checked on its first read
     disk_direct: bool | None = None  # O_DIRECT reads: None where the filesystem allows, else buffered + DONTNEED
     disk_stream_slots: int | None = None
     # Pinned host memory the engine may register (bytes or "512MiB"; the OFFLOAD_PINNED_LIMIT

@@ -17,10 +17,13 @@ from jobs._cli.output import CliError
 def shard(
     src: Annotated[Path, typer.Argument(
         help="Diffusers folder (sharded safetensors + index) or single-file checkpoint.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(help="Output shard directory (written atomically; a rerun resumes).",
+    dst: Annotated[Path, typer.Argument(help="Output shard directory: new, empty, or one this tool wrote "
+                                             "(written atomically; a rerun resumes).",
                                         show_default=False)],
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", help="Convert to this dtype (bfloat16, float16, float8_e4m3fn).", show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Write into a non-empty DST this tool did not write (its other files stay).")] = False,
 ) -> None:
     """Convert a checkpoint into per-unit shards the engine streams from disk (lazy_load)."""
     if not src.exists():
@@ -31,7 +34,7 @@ def shard(
     except ModuleNotFoundError as exc:  # a jobs-only install without the engine
         raise CliError(f"shard: needs the offload engine ({exc.name} is missing)") from None
     try:
-        result = shard_checkpoint(str(src), str(dst), dtype=dtype)
+        result = shard_checkpoint(str(src), str(dst), dtype=dtype, overwrite=overwrite)
     except (OffloadError, PermissionError) as exc:
         raise CliError(f"shard: {exc}") from None
     typer.echo(f"sharded {src} -> {dst}: {result['units']} units in {result['files']} files, "

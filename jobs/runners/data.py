@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import random
@@ -23,13 +24,28 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DatasetError", "Item", "scan_dataset", "make_buckets", "nearest_bucket", "load_pixels", "epoch_order",
-           "IMAGE_SUFFIXES"]
+           "IMAGE_SUFFIXES", "MAX_IMAGE_PIXELS", "read_text"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# PIL's decompression-bomb limit (its MAX_IMAGE_PIXELS default): a larger image is refused from its
+# header, before anything is decoded (a 20000x20000 PNG of a few KB would take 1.2 GB to decode).
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 class DatasetError(ValueError):
     """Bad training data: a missing or unreadable file, a missing column, no images at all."""
+
+
+def read_text(path: Path, error: type[ValueError] | None = None) -> str:
+    """A caption, metadata or prompt file as UTF-8; anything else is one line naming the file and the byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise (error or DatasetError)(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "save it as UTF-8") from None
+    except OSError as exc:
+        raise (error or DatasetError)(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 @dataclass
@@ -48,7 +64,7 @@ def _read_metadata(root: Path, image_column: str, caption_column: str) -> list[t
     rows: list[dict[str, Any]] = []
     if jsonl.is_file():
         src = jsonl
-        for n, line in enumerate(jsonl.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_text(jsonl).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -60,11 +76,10 @@ def _read_metadata(root: Path, image_column: str, caption_column: str) -> list[t
             rows.append(row | {"__line__": n})
     elif csv_file.is_file():
         src = csv_file
-        with open(csv_file, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            for n, row in enumerate(reader, 2):
-                rows.append(dict(row) | {"__line__": n})
-            header = reader.fieldnames or []
+        reader = csv.DictReader(io.StringIO(read_text(csv_file), newline=""))
+        for n, row in enumerate(reader, 2):
+            rows.append(dict(row) | {"__line__": n})
+        header = reader.fieldnames or []
         for col in (image_column, caption_column):
             if col not in header:
                 raise DatasetError(f"{csv_file}: no `{col}` column (columns: {', '.join(header) or 'none'}); "
@@ -107,12 +122,23 @@ def _digest(files: list[Path]) -> str:
 def _check_image(path: Path) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
+    def too_big(w: int, h: int) -> DatasetError:
+        return DatasetError(f"{path}: {w}x{h} is {w * h:,} pixels, more than the {MAX_IMAGE_PIXELS:,} an image may "
+                            "have (PIL's decompression-bomb limit); downscale it")
+
     try:
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # reads the header only: the size is known before any decoding
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise too_big(im.width, im.height)
             im.verify()
         with Image.open(path) as im:  # verify() leaves the file unusable; reopen to read the size
             im.load()
             return im.size
+    except DatasetError:
+        raise
+    except Image.DecompressionBombError:  # a size PIL itself refuses at open (past twice its limit)
+        raise DatasetError(f"{path}: larger than the {MAX_IMAGE_PIXELS:,} pixels an image may have "
+                           "(PIL's decompression-bomb limit); downscale it") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise DatasetError(f"{path}: unreadable image ({type(exc).__name__}: {exc})") from None
 
@@ -141,7 +167,7 @@ def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_c
             files = [p] if is_image else _frames(p)
             if not files:
                 continue
-            items.append(Item(name=p.name, files=files, caption=txt.read_text(encoding="utf-8").strip()))
+            items.append(Item(name=p.name, files=files, caption=read_text(txt).strip()))
     if not items:
         kinds = "images or clip folders" if allow_clips else "images"
         raise DatasetError(f"train.dataset: {root} has no {kinds} ({', '.join(IMAGE_SUFFIXES)})")

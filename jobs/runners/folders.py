@@ -67,17 +67,40 @@ def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
 
 
 def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
-    """(metadata, tensor names) of a .safetensors file, from its JSON header alone."""
+    """(metadata, tensor names) of a .safetensors file, from its JSON header alone.
+
+    Every tensor's ``data_offsets`` are checked as offload_core's reader checks them: two integers,
+    0 <= start <= end, inside the file, no two tensors sharing bytes.
+    """
     p = Path(path)
     try:
+        size = p.stat().st_size
         with open(p, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 << 20:
+            if n > min(100 << 20, size - 8):
                 raise ValueError(f"header of {n} bytes")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, struct.error) as exc:
         raise LoraError(f"infer.lora: {p} is not a readable .safetensors file ({exc})") from None
     meta = header.pop("__metadata__", None) or {}
+    spans = []
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        a, b = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+        if not (type(a) is int and type(b) is int) or a < 0 or b < a:
+            raise LoraError(f"infer.lora: {p}: tensor {name}: data_offsets {offsets!r} are not two integers "
+                            "0 <= start <= end (a damaged or hand-made header)")
+        if 8 + n + b > size:
+            raise LoraError(f"infer.lora: {p}: tensor {name} ends at byte {8 + n + b}, the file has {size} (truncated)")
+        spans.append((a, b, name))
+    reach, holder = 0, ""
+    for a, b, name in sorted(spans):
+        if a < b and a < reach:
+            raise LoraError(f"infer.lora: {p}: tensor {name}: data_offsets overlap tensor {holder}'s")
+        if a < b:
+            reach, holder = b, name
     return {str(k): str(v) for k, v in meta.items()}, list(header)
 
 

@@ -1,8 +1,9 @@
 """The checks a train or infer job passes before torch is even imported.
 
 A missing image, a metadata file without the caption column, an unreadable image, an empty
-dataset, a model folder of the wrong family, a LoRA of another family, a malformed prompt option:
-each fails the job at once with reason setup_failed and a line naming the file or field.
+dataset, a model folder of the wrong family, a LoRA of another family, a malformed prompt option,
+a size (resolution x frames x batch) this machine's memory cannot hold: each fails the job at once
+with reason setup_failed and a line naming the file or field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from jobs.runners.folders import LoraError, SetupError, detect_family, lora_fami
 from jobs.runners.prompts import PromptSpec, parse_prompt, read_prompts
 from jobs.spec import JobSpec
 
-__all__ = ["Checked", "check_train", "check_infer", "resolve_lora"]
+__all__ = ["Checked", "check_train", "check_infer", "resolve_lora", "host_memory", "check_size", "HOST_BYTES_PER_PIXEL"]
+
+# Host bytes that one pixel of one frame can take at once while a job renders or trains on it: the
+# float32 RGB image (12), its latents, and the VAE's activations at full resolution. An estimate
+# on the safe side: it refuses only what could not fit, not what is merely slow.
+HOST_BYTES_PER_PIXEL = 64
 
 
 @dataclass
@@ -31,9 +37,41 @@ def _model(spec: JobSpec) -> tuple[str, Path]:
     return detect_family(model_dir, spec.model.family), model_dir
 
 
-def _prompts_parse(texts: list[str]) -> None:
+def host_memory() -> int:
+    """This machine's memory, or the job's cgroup limit (a container, a systemd scope) when lower."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_size(what: str, shape: str, pixels: int, frames: int = 1, batch: int = 1, memory: int | None = None) -> None:
+    """Refuse a size whose pixels alone would take more than this machine's memory (SetupError naming ``what``)."""
+    memory = host_memory() if memory is None else memory
+    need = pixels * frames * batch * HOST_BYTES_PER_PIXEL
+    if need > memory:
+        shape += (f" x {frames} frames" if frames > 1 else "") + (f", {batch} at once" if batch > 1 else "")
+        raise SetupError(f"{what}: {shape} needs about {_gib(need)} of host memory; this machine has {_gib(memory)}")
+
+
+def _prompts_parse(texts: list[str], defaults: PromptSpec | None = None, where: str = "") -> list[PromptSpec]:
+    out = []
     for t in texts:
-        parse_prompt(t, PromptSpec(prompt=""))
+        p = parse_prompt(t, defaults or PromptSpec(prompt=""))
+        if where and p.width > 0 and p.height > 0:
+            check_size(f"{where} {t[:80]!r}", f"{p.width}x{p.height}", p.width * p.height, p.frames)
+        out.append(p)
+    return out
 
 
 def check_train(spec: JobSpec) -> Checked:
@@ -42,9 +80,14 @@ def check_train(spec: JobSpec) -> Checked:
     if not t.dataset:
         raise SetupError("train.dataset: a train job needs a dataset folder")
     dataset = Path(t.dataset).expanduser().resolve()
+    video = family == "wan"
+    check_size("train.max_pixels" + (" x train.num_frames" if video else "") + " x train.batch_size",
+               f"{t.max_pixels:,} pixels", t.max_pixels, t.num_frames if video else 1, t.batch_size)
     items = scan_dataset(dataset, image_column=t.image_column, caption_column=t.caption_column,
-                         allow_clips=family == "wan")
-    _prompts_parse(read_prompts(t.sample_prompts, dataset))
+                         allow_clips=video)
+    _prompts_parse(read_prompts(t.sample_prompts, dataset),
+                   PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0,
+                              frames=t.num_frames if video else 1), "train.sample_prompts")
     return Checked(family=family, model_dir=model_dir, items=items)
 
 
@@ -76,7 +119,11 @@ def check_infer(spec: JobSpec, home: Path) -> Checked:
         made_for = lora_family(lora)
         if made_for is not None and made_for != family:
             raise LoraError(f"infer.lora: {lora} is a {made_for} LoRA; {model_dir} is a {family} model")
-    prompts = spec.infer.prompt if isinstance(spec.infer.prompt, list) else [spec.infer.prompt]
-    _prompts_parse(prompts)
+    i = spec.infer
+    frames = i.num_frames if family == "wan" else 1
+    check_size("infer.width x infer.height" + (" x infer.num_frames" if frames > 1 else ""), f"{i.width}x{i.height}",
+               i.width * i.height, frames)
+    prompts = i.prompt if isinstance(i.prompt, list) else [i.prompt]
+    _prompts_parse(prompts, PromptSpec(prompt="", width=i.width, height=i.height, frames=frames), "infer.prompt")
     return Checked(family=family, model_dir=model_dir, lora=lora)
 

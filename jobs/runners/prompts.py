@@ -1,6 +1,9 @@
 """Prompts with inline options, as in musubi-tuner's and kohya's sample files (no torch here):
 
     a red fox in snow --w 768 --h 512 --seed 3 --steps 20 --guidance 4 --n blurry, low quality --f 17
+
+Sizes are bounded as the spec's own fields are (``--w``/``--h`` 8..MAX_SIDE, ``--f`` 1..MAX_FRAMES):
+a prompt cannot ask for what `infer.width` may not.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.spec_runners import MAX_FRAMES, MAX_SIDE
+
 __all__ = ["PromptError", "PromptSpec", "parse_prompt", "read_prompts"]
 
 _FLAGS = {"--w": "width", "--h": "height", "--seed": "seed", "--steps": "steps", "--guidance": "guidance",
           "--n": "negative", "--f": "frames"}
+_BOUNDS = {"width": (8, MAX_SIDE), "height": (8, MAX_SIDE), "frames": (1, MAX_FRAMES), "steps": (1, 10**9),
+           "seed": (0, 2**63 - 1)}
 
 
 class PromptError(ValueError):
@@ -59,6 +66,9 @@ def parse_prompt(text: str, defaults: PromptSpec) -> PromptSpec:
                 spec.negative = " ".join(shlex.split(value)) if value.startswith(("'", '"')) else value
         except ValueError:
             raise PromptError(f"prompt {text!r}: --{flag.strip()} needs a number, got {value!r}") from None
+        lo, hi = _BOUNDS.get(attr, (None, None))
+        if lo is not None and not lo <= getattr(spec, attr) <= hi:
+            raise PromptError(f"prompt {text[:200]!r}: --{flag.strip()} {getattr(spec, attr)} is outside {lo}..{hi}")
     return spec
 
 
@@ -72,6 +82,8 @@ def read_prompts(source: str | list[str] | None, base_dir: Path | None = None) -
     if not path.is_absolute() and base_dir is not None and (base_dir / path).is_file():
         path = base_dir / path
     if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
+        from jobs.runners.data import read_text
+
+        lines = read_text(path, PromptError).splitlines()
         return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     return [source]

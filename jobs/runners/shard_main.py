@@ -22,7 +22,8 @@ def main() -> None:
         print(f"  {p['files_done']}/{p['files_total']} files", flush=True)
 
     try:
-        result = shard_checkpoint(spec.shard.src, spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report)
+        result = shard_checkpoint(spec.shard.src, spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report,
+                                  overwrite=spec.shard.overwrite)
     except MemoryError as exc:
         fail(Reason.HOST_OOM, f"out of host memory while sharding: {exc}", code=1)
     except OffloadError as exc:  # a missing or corrupt checkpoint, a full disk: the user's to fix

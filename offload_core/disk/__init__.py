@@ -6,6 +6,7 @@
     write      shard_checkpoint (from a checkpoint) and shard_model (offload_to_disk)
     verify     verify_shards
     read       UnitReader: one O_DIRECT read of a unit into a pinned slab, checked against the index
+    checksum   which units this process has checked (xxh3 on a unit's first read; sha256 with disk_verify)
     pool       HostPool: one pinned buffer carved into 4096-aligned slabs
     cache      SlabCache: Belady (FIFO, LRU) over the cache bytes (max_memory less the staging slots)
     store      DiskStore: the engine's host store over the cache, staging slots and disk workers

@@ -21,6 +21,7 @@ index.json (``format_version`` 2)::
      "granularity": "block", "grouping": "model" | "names", "model_class": ..., "block_lists": [...],
      "file_align": 4096, "slab_align": 64,
      "units": {"transformer_blocks.0": {"file": ..., "offset": 4096, "nbytes": ..., "sha256": ...,
+               "xxh3"? (xxh3-64 of the slab: the check on a unit's first read in a process; absent in older indexes),
                "tensors": {name: {"dtype", "shape", "offset" (in the slab), "nbytes",
                                   "source_dtype"? (the compute dtype the slab was laid out for), "scale"? (fp8)}}}},
      "resident": {same shape as a unit: tensors no streamed unit holds (tied, or in a unit the
@@ -34,6 +35,7 @@ with a message that says to re-shard: its layout is not the slab layout.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +125,7 @@ class SlabEntry:
     nbytes: int = 0  # the slab's length (the unit's store_nbytes)
     sha256: str = ""
     tensors: list[TensorEntry] = field(default_factory=list)
+    xxh3: str = ""  # the fast checksum of the first read in a process ("" in an index written before it)
 
     @property
     def read_nbytes(self) -> int:
@@ -130,8 +133,11 @@ class SlabEntry:
         return align(self.nbytes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "sha256": self.sha256,
-                "tensors": {t.name: t.to_json() for t in self.tensors}}
+        out: dict[str, Any] = {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "sha256": self.sha256}
+        if self.xxh3:
+            out["xxh3"] = self.xxh3
+        out["tensors"] = {t.name: t.to_json() for t in self.tensors}
+        return out
 
 
 @dataclass
@@ -200,8 +206,17 @@ def load_index(shard_dir: str | Path) -> ShardIndex:
         for e in [*units.values(), *([resident] if resident else [])]:
             if e.file not in files:
                 raise ShardFormatError(f"{path}: unit {e.name} names {e.file}, which the index does not list")
-            if e.offset % FILE_ALIGN or e.offset + e.read_nbytes > files[e.file]:
+            # the header takes the file's first bytes, so no slab starts at 0
+            if e.offset < FILE_ALIGN or e.nbytes < 0 or e.offset % FILE_ALIGN or e.offset + e.read_nbytes > files[e.file]:
                 raise ShardFormatError(f"{path}: unit {e.name} has a bad byte range in {e.file}")
+        by_file: dict[str, list[SlabEntry]] = {}
+        for e in [*units.values(), *([resident] if resident else [])]:
+            by_file.setdefault(e.file, []).append(e)
+        for fname, slabs in by_file.items():
+            slabs.sort(key=lambda e: e.offset)
+            for a, b in zip(slabs, slabs[1:]):
+                if a.offset + a.nbytes > b.offset:
+                    raise ShardFormatError(f"{path}: units {a.name} and {b.name} overlap in {fname}")
     except ShardFormatError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -218,10 +233,13 @@ def _slab(name: str, e: dict[str, Any], path: Path) -> SlabEntry:
             tname, dtype_from_name(t["dtype"], where), [int(s) for s in t["shape"]], int(t["offset"]), int(t["nbytes"]),
             dtype_from_name(t["source_dtype"], where) if t.get("source_dtype") else None,
             float(t["scale"]) if t.get("scale") is not None else None))
-    entry = SlabEntry(name, str(e["file"]), int(e["offset"]), int(e["nbytes"]), str(e["sha256"]), tensors)
+    entry = SlabEntry(name, str(e["file"]), int(e["offset"]), int(e["nbytes"]), str(e["sha256"]), tensors,
+                      str(e.get("xxh3") or ""))
     for t in tensors:
-        if t.offset < 0 or t.offset + t.nbytes > entry.nbytes:
+        if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > entry.nbytes:
             raise ShardFormatError(f"{where}: tensor {t.name} lies outside its slab")
+        if t.nbytes != math.prod(t.shape) * t.dtype.itemsize or any(d < 0 for d in t.shape):
+            raise ShardFormatError(f"{where}: tensor {t.name}: {t.nbytes} bytes do not fit its shape {t.shape}")
     return entry
 
 

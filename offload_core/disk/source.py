@@ -29,7 +29,8 @@ import torch
 from .errors import ShardError, ShardSourceNotFound, one_line
 from .format import FROM_ST, read_json
 
-__all__ = ["SafetensorsSource", "SourceTensor", "source_files", "drop_page_cache", "writable_buffer"]
+__all__ = ["SafetensorsSource", "SourceTensor", "source_files", "drop_page_cache", "writable_buffer",
+           "check_data_offsets", "check_no_overlap"]
 
 CHUNK_BYTES = 16 << 20
 _MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -112,13 +113,37 @@ def _header(path: Path) -> dict[str, SourceTensor]:
             raise ShardError(f"{path}: not a readable safetensors file: bad header entry for {name}") from None
         if code not in FROM_ST:
             raise ShardError(f"{path}: tensor {name} has dtype {code}, which offload-jobs does not carry")
-        t = SourceTensor(name, path, FROM_ST[code], shape, base + int(a), int(b) - int(a))
-        if t.nbytes != t.numel * t.dtype.itemsize or t.nbytes < 0:
+        check_data_offsets(path, name, a, b, base, size)
+        t = SourceTensor(name, path, FROM_ST[code], shape, base + a, b - a)
+        if t.nbytes != t.numel * t.dtype.itemsize or any(d < 0 for d in shape):
             raise ShardError(f"{path}: tensor {name}: {t.nbytes} bytes do not fit its shape {shape} and dtype {code}")
-        if base + int(b) > size:
-            raise ShardError(f"{path}: truncated: tensor {name} ends at byte {base + int(b)}, the file has {size}")
         out[name] = t
+    check_no_overlap(path, {k: (t.start - base, t.start - base + t.nbytes) for k, t in out.items()})
     return out
+
+
+def check_data_offsets(path: Path, name: str, a: Any, b: Any, base: int, size: int) -> None:
+    """A header entry's ``data_offsets`` are two integers 0 <= a <= b inside the data section; a
+    negative one would read the header's own bytes as weights."""
+    if not (type(a) is int and type(b) is int):
+        raise ShardError(f"{path}: tensor {name}: data_offsets {[a, b]!r} are not two integers")
+    if a < 0 or b < a:
+        raise ShardError(f"{path}: tensor {name}: data_offsets [{a}, {b}] are negative or reversed "
+                         "(a damaged or hand-made header)")
+    if base + b > size:
+        raise ShardError(f"{path}: truncated: tensor {name} ends at byte {base + b}, the file has {size}")
+
+
+def check_no_overlap(path: Path, spans: dict[str, tuple[int, int]]) -> None:
+    """No two tensors share bytes (one written through the other would change both)."""
+    reach, holder = 0, ""  # the furthest end so far, and whose
+    for name, (start, end) in sorted(spans.items(), key=lambda kv: kv[1]):
+        if end == start:
+            continue  # an empty tensor shares no bytes
+        if start < reach:
+            raise ShardError(f"{path}: tensor {name}: data_offsets overlap tensor {holder}'s "
+                             f"(bytes {start}..{min(reach, end)} of the data); a damaged or hand-made header")
+        reach, holder = end, name
 
 
 def writable_buffer(t: torch.Tensor) -> memoryview:

@@ -21,6 +21,7 @@ from whichever thread: nothing waits forever on a read that will not come.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 import weakref
@@ -96,6 +97,11 @@ class _Core:
         # frees its slot with no call from the engine, and the next read must not wait for one
         self.workers = [threading.Thread(target=self._work, args=(i == 0,), name=f"disk-worker-{i}", daemon=True)
                         for i in range(max(num_disk_workers, 1))]
+        # A unit's first-read check (xxh3) runs here, so the worker that read it goes on to its next read
+        # and the disk stays busy while the bytes are hashed; the unit is ready only once it passed.
+        self.checks: queue.SimpleQueue = queue.SimpleQueue()
+        self.checker = threading.Thread(target=self._check_work, name="disk-checker", daemon=True)
+        self.checker.start()
         for w in self.workers:
             w.start()
 
@@ -223,28 +229,52 @@ class _Core:
                     self._busy_since = time.perf_counter()
                 self._inflight += 1
             err: ShardError | None = None
-            n, direct = 0, False
+            n, direct, first = 0, False, None
             try:
-                n, direct = self.reader.read_into(u.entry, dest)
+                n, direct, first = self.reader.read_unchecked(u.entry, dest)
             except ShardError as exc:
                 err = exc
             except OSError as exc:  # anything the reader did not name: still the file's error
                 err = ShardReadError(f"{self.reader.root / u.entry.file}: cannot read unit {u.entry.name}: {exc}")
-            del dest
             with self.cond:
                 self._inflight -= 1
                 if self._inflight == 0:
                     self.busy_s += time.perf_counter() - self._busy_since
-                u.reading = False
-                if err is not None:
-                    self._drop(u)
-                    if self.error is None:
-                        self.error = err
-                else:
-                    u.fresh = True
-                    self._count_read(n, direct)
-                    self._fill()
-                self.cond.notify_all()
+                if first is not None and err is None:
+                    self._fill()  # the next read need not wait for this one's check
+            if first is not None:
+                self.checks.put((u, dest, first, n, direct))
+            else:
+                self._done(u, err, n, direct)
+            del dest
+
+    def _check_work(self) -> None:
+        while True:
+            item = self.checks.get()
+            if item is None:
+                return
+            u, dest, st, n, direct = item
+            err: ShardError | None = None
+            try:
+                self.reader.check_first_read(u.entry, dest, st)
+            except ShardError as exc:
+                err = exc
+            del dest, item
+            self._done(u, err, n, direct)
+
+    def _done(self, u: _Unit, err: ShardError | None, n: int, direct: bool) -> None:
+        """A read (and its check) finished: the unit is ready, or the error waits for the next acquire."""
+        with self.cond:
+            u.reading = False
+            if err is not None:
+                self._drop(u)
+                if self.error is None:
+                    self.error = err
+            else:
+                u.fresh = True
+                self._count_read(n, direct)
+                self._fill()
+            self.cond.notify_all()
 
     # ------------------------------------------------------------------ the engine's calls
     def raise_error(self) -> None:
@@ -406,6 +436,8 @@ class _Core:
                 "disk_stream_slots": self.n_stream,
                 "disk_stream_bytes": self.stream.capacity_bytes,
                 "disk_emergency_buffers": self.emergency,
+                "disk_first_read_checks": self.reader.first_checks,  # units checked on their first read here
+                "disk_sha256_checks": self.reader.full_checks,  # disk_verify: every read
             }
 
     def close(self) -> None:
@@ -418,6 +450,9 @@ class _Core:
         for w in self.workers:
             if w is not threading.current_thread():
                 w.join(timeout=30)
+        self.checks.put(None)  # after the workers: nothing is queued behind it
+        if self.checker is not threading.current_thread():
+            self.checker.join(timeout=30)
         with self.cond:
             for u in self.units.values():
                 for ev in u.events:

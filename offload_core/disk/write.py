@@ -21,6 +21,7 @@ import json
 import os
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch import nn
 from ..config import Granularity
 from ..quant import quantize
 from ..units import Unit
+from . import checksum
 from .errors import ShardError, ShardWriteError, one_line
 from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, PROGRESS_NAME, SLAB_ALIGN,
                      ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
@@ -135,12 +137,12 @@ def _write_error(path: Path, exc: OSError) -> ShardWriteError:
     return ShardWriteError(f"{path}: cannot write: {exc.strerror or one_line(exc)}")
 
 
-def _write_zeros(f: Any, n: int, digest: Any = None) -> None:
+def _write_zeros(f: Any, n: int, *digests: Any) -> None:
     while n > 0:
         k = min(n, len(_ZEROS))
         f.write(_ZEROS[:k])
-        if digest is not None:
-            digest.update(_ZEROS[:k])
+        for d in digests:
+            d.update(_ZEROS[:k])
         n -= k
 
 
@@ -172,32 +174,37 @@ def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
         pos = plan.data_start
         for s in plan.slabs:
             _write_zeros(f, s.offset - pos)
-            digest = hashlib.sha256()
+            digests = [hashlib.sha256(), *filter(None, [checksum.fast_hasher()])]
             at = 0
             for t in sorted(s.tensors, key=lambda t: t.offset):
-                _write_zeros(f, t.offset - at, digest)
+                _write_zeros(f, t.offset - at, *digests)
                 buf = torch.empty(t.shape, dtype=t.dtype)
                 t.scale = produce(t, buf)
                 data = writable_buffer(buf)
-                digest.update(data)
+                for d in digests:
+                    d.update(data)
                 f.write(data)
                 del data, buf
                 at = t.offset + t.nbytes
-            _write_zeros(f, s.nbytes - at, digest)
-            s.sha256 = digest.hexdigest()
+            _write_zeros(f, s.nbytes - at, *digests)
+            s.sha256 = digests[0].hexdigest()
+            s.xxh3 = digests[1].hexdigest() if len(digests) > 1 else ""
             pos = s.offset + s.nbytes
         _write_zeros(f, plan.nbytes - pos)
 
 
-def _slab_sha256(path: Path, s: SlabEntry) -> str:
-    digest = hashlib.sha256()
+def _slab_digests(path: Path, s: SlabEntry) -> tuple[str, str]:
+    """(sha256, xxh3) of a slab as it is on disk ("" for xxh3 without the xxhash package)."""
+    digest, fast = hashlib.sha256(), checksum.fast_hasher()
     with open(path, "rb") as f:
         f.seek(s.offset)
         left = s.nbytes
         while left and (chunk := f.read(min(left, 16 << 20))):
             digest.update(chunk)
+            if fast is not None:
+                fast.update(chunk)
             left -= len(chunk)
-    return digest.hexdigest()
+    return digest.hexdigest(), fast.hexdigest() if fast is not None else ""
 
 
 def _reusable(dst: Path, plan: _FilePlan, done: dict[str, Any]) -> bool:
@@ -212,14 +219,20 @@ def _reusable(dst: Path, plan: _FilePlan, done: dict[str, Any]) -> bool:
         if f.read(8 + len(plan.header)) != struct.pack("<Q", len(plan.header)) + plan.header:
             return False
     hashes, scales = prev.get("sha256", {}), prev.get("scales", {})
-    ok = all(_slab_sha256(path, s) == hashes.get(s.name) for s in plan.slabs)
-    drop_page_cache(path)
-    if ok:
+    digests: dict[str, tuple[str, str]] = {}
+    for s in plan.slabs:
+        digests[s.name] = _slab_digests(path, s)
+        if digests[s.name][0] != hashes.get(s.name):
+            break
+    else:
         for s in plan.slabs:
-            s.sha256 = hashes[s.name]
+            s.sha256, s.xxh3 = digests[s.name]
             for t in s.tensors:
                 t.scale = scales.get(t.name)
-    return ok
+        drop_page_cache(path)
+        return True
+    drop_page_cache(path)
+    return False
 
 
 def _fsync_dir(path: Path) -> None:
@@ -236,21 +249,44 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _prepare_dst(dst: Path, src: Path | None) -> None:
+def _ours(dst: Path) -> bool:
+    """Whether DST holds what a shard run writes: our index.json, or a killed run's .progress.json."""
+    for name, key in ((INDEX_NAME, "format"), (PROGRESS_NAME, "fingerprint")):
+        try:
+            data = read_json(dst / name)
+        except ShardError:
+            continue
+        if (data.get(key) == FORMAT) if key == "format" else isinstance(data.get(key), dict):
+            return True
+    return False
+
+
+def _prepare_dst(dst: Path, src: Path | None, names: Iterable[str], overwrite: bool = False) -> None:
+    """Make DST ready to write ``names`` into: refuse a folder of someone else's files (unless
+    ``overwrite``); remove only the ``.tmp`` files this writer itself would have left."""
     if dst.exists() and not dst.is_dir():
         raise ShardWriteError(f"{dst}: exists and is not a directory")
     if src is not None and src.is_dir() and dst.resolve() == src.resolve():
         raise ShardWriteError(f"{dst}: the output directory must differ from SRC")
+    if dst.is_dir() and not overwrite:
+        try:
+            entries = sorted(p.name for p in dst.iterdir())
+        except OSError as exc:
+            raise ShardWriteError(f"{dst}: cannot list the output directory: {exc.strerror or one_line(exc)}") from None
+        if entries and not _ours(dst):
+            raise ShardWriteError(
+                f"{dst}: not empty ({len(entries)} entries, e.g. {entries[0]}) and not a shard directory this tool "
+                "wrote; choose an empty or new folder, or pass --overwrite (overwrite=True) to write into it")
     try:
         dst.mkdir(parents=True, exist_ok=True)
-        probe = dst / ".write-test.tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".offload-jobs-write-test-", dir=dst)  # a name no user file has
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         raise ShardWriteError(f"{dst}: output directory not writable: {exc.strerror or one_line(exc)}") from None
-    for leftover in dst.glob("*.tmp"):  # a killed run's partial files
+    for name in {*names, INDEX_NAME, PROGRESS_NAME}:  # a killed run's partial files: only names we write
         with contextlib.suppress(OSError):
-            leftover.unlink()
+            (dst / (name + ".tmp")).unlink()
     with contextlib.suppress(FileNotFoundError):
         (dst / INDEX_NAME).unlink()  # rewritten last: its absence marks an unfinished run
 
@@ -333,12 +369,15 @@ def shard_checkpoint(
     verify: bool = False,
     config: str | os.PathLike[str] | None = None,
     callback: Callable[[dict[str, Any]], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Shard SRC (a diffusers folder or a .safetensors file) into DST; returns a summary dict.
 
     dtype converts floating tensors (float8_e4m3fn: weight matrices only, with a per-tensor scale in
     the index). config names a config.json for a single-file checkpoint. callback gets a progress
-    dict after each file. A rerun with the same arguments skips the files already finished.
+    dict after each file. A rerun with the same arguments skips the files already finished. A DST
+    that holds files this tool did not write is refused unless ``overwrite`` (which still removes
+    nothing but the files it writes).
     """
     t0 = time.monotonic()
     src_p, dst_p = Path(src), Path(dst)
@@ -367,7 +406,7 @@ def shard_checkpoint(
              storage_for(source.tensors[n].dtype, source.tensors[n].shape, False, target))
             for n in grouping.resident])
         plans = _plan_files(entries, resident)
-        _prepare_dst(dst_p, src_p)
+        _prepare_dst(dst_p, src_p, [p.name for p in plans], overwrite)
         fingerprint = {
             "format_version": FORMAT_VERSION, "source": str(src_p.resolve()),
             "inputs": {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns]
@@ -410,6 +449,7 @@ def shard_model(
     resident: bool = True,
     progress: bool = False,
     callback: Callable[[dict[str, Any]], None] | None = None,
+    overwrite: bool = False,
 ) -> ShardIndex:
     """Write the shards of a model already in RAM, unit by unit, in the units' own layout.
 
@@ -442,7 +482,7 @@ def shard_model(
                 values[n] = t
                 others.append((n, t.dtype, list(t.shape), None))
     plans = _plan_files(entries, _packed_entry("<resident>", NON_BLOCK_FILE, others) if others else None)
-    _prepare_dst(dst_p, None)
+    _prepare_dst(dst_p, None, [p.name for p in plans], overwrite)
 
     def produce(t: TensorEntry, out: torch.Tensor) -> float | None:
         ts = slot_of.get(t.name)

@@ -126,13 +126,13 @@ def test_workers_read_ahead_in_trace_order(stack: tuple, monkeypatch: pytest.Mon
     model, plan, index = stack
     units = block_units(plan)
     order: list[str] = []
-    real = UnitReader.read_into
+    real = UnitReader.read_unchecked  # the store's workers read with it (the first-read check runs beside them)
 
-    def read_into(self: Any, entry: Any, buf: torch.Tensor) -> tuple[int, bool]:
+    def read_unchecked(self: Any, entry: Any, buf: torch.Tensor) -> tuple[int, bool, Any]:
         order.append(entry.name)
         return real(self, entry, buf)
 
-    monkeypatch.setattr(UnitReader, "read_into", read_into)
+    monkeypatch.setattr(UnitReader, "read_unchecked", read_unchecked)
     trace = [u.uid for u in reversed(units)]  # any order: the trace's, not the model's
     store = open_store(model, units, index, 0.0, num_disk_workers=1, stream_slots=4)
     try:
@@ -200,13 +200,13 @@ def test_non_blocking_acquire_says_not_yet(stack: tuple, monkeypatch: pytest.Mon
     model, plan, index = stack
     units = block_units(plan)
     gate = threading.Event()
-    real = UnitReader.read_into
+    real = UnitReader.read_unchecked
 
-    def slow(self: Any, entry: Any, buf: torch.Tensor) -> tuple[int, bool]:
+    def slow(self: Any, entry: Any, buf: torch.Tensor) -> tuple[int, bool, Any]:
         gate.wait(10)
         return real(self, entry, buf)
 
-    monkeypatch.setattr(UnitReader, "read_into", slow)
+    monkeypatch.setattr(UnitReader, "read_unchecked", slow)
     store = open_store(model, units, index, 0.0, num_disk_workers=1)
     try:
         u = units[3]
@@ -390,10 +390,11 @@ def test_checksum_mismatch_with_verify(tmp_path: Path, stack: tuple) -> None:
         assert isinstance(exc, ShardChecksumError) and str(exc).startswith(f"{bad}: unit {units[2].name}")
     finally:
         store.close()
-    # Without verify the size still matches, so the flipped bit is read as it is: verify=True is the check.
+    # Without verify the first read in this process is still checked (xxh3): the same named error.
     store = open_store(model, units, index, 0.0, verify=False)
     try:
-        assert _acquire_all_in_thread(store, units, 1) is None
+        exc = _acquire_all_in_thread(store, units)
+        assert isinstance(exc, ShardChecksumError) and str(exc).startswith(f"{bad}: unit {units[2].name}")
     finally:
         store.close()
 
