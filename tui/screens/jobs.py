@@ -241,7 +241,8 @@ class JobsScreen(JobActions, Screen):
         wanted = [(k, jobs[k]) for k in job_ids if k in jobs and _matches(jobs[k], self.filter_text)]
         drew = table.put_many([(key, job_row(job, now)) for key, job in wanted]) or bool(gone)
         # Rows were added, or (sorted by a value that changes) rows changed: in order again.
-        if len(shown) > 1 and (len(shown) > before or (wanted and self.sort_column not in ("age", "id", "name", "kind"))):
+        changing = self.sort_column not in ("age", "id", "name", "kind")
+        if len(shown) > 1 and (len(shown) > before or (wanted and changing)):
             self._sort()
         return drew
 
