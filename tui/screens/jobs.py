@@ -252,10 +252,12 @@ class JobsScreen(JobActions, Screen):
                            self.sort_descending)
         if order == [str(row.key.value) for row in table.ordered_rows]:
             return
-        keep = self.selected_job_id()
+        # The cursor stays on its job, except on the top row: there it follows what comes first
+        # (the newest job, by default), as a log follows its end.
+        keep = self.selected_job_id() if table.cursor_row > 0 else None
         rank = {k: i for i, k in enumerate(order)}
         table.sort("id", key=lambda cell: rank.get(str(cell), len(rank)))  # "id" is always shown
-        if keep in shown:
+        if keep is not None and keep in shown:
             table.move_cursor(row=table.get_row_index(keep))
 
     def _mark_sort(self) -> None:
