@@ -17,6 +17,8 @@ from jobs.errors import JobsError
 
 __all__ = ["jobs_with_outputs", "confirm_deletion"]
 
+LISTED = 5  # jobs named in the question; the rest are counted
+
 
 def _size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
@@ -46,7 +48,10 @@ def confirm_deletion(jobs: list[dict[str, Any]], with_outputs: dict[str, str], y
     if yes or not with_outputs:
         return
     names = {str(j["id"]): j.get("name") or j.get("kind") or "?" for j in jobs}
-    listing = "; ".join(f"{jid} ({names.get(jid, '?')}: {what})" for jid, what in with_outputs.items())
+    shown = list(with_outputs.items())[:LISTED]
+    listing = "; ".join(f"{jid} ({names.get(jid, '?')}: {what})" for jid, what in shown)
+    if len(with_outputs) > LISTED:
+        listing += f"; and {len(with_outputs) - LISTED} more"
     if not sys.stdin.isatty():
         noun = "a job" if len(with_outputs) == 1 else f"{len(with_outputs)} jobs"
         raise CliError(f"not deleting {noun} with outputs without --yes (stdin is not a terminal to ask): {listing}")

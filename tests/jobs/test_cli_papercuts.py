@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from jobs_helpers import WorkerProcess, wait_until
-from test_cli_e2e import CLI, assert_one_error_line, cli_env
 
 from jobs.client import JobsClient
 from jobs.errors import JobNotFound
@@ -43,6 +42,31 @@ flag = Path(sys.argv[1])
 while not flag.exists():
     time.sleep(0.05)
 '''
+
+
+class CLI:
+    """`offload-jobs ...` as a child process against one state dir, its stdin not a terminal
+    (/dev/null: as from a script, whatever terminal pytest itself runs in)."""
+
+    def __init__(self, home: Path, cwd: Path) -> None:
+        self.exe = str(Path(sys.executable).parent / "offload-jobs")
+        self.home, self.cwd = home, cwd
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+        return {**env, "OFFLOAD_JOBS_HOME": str(self.home)}
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.exe, *args], capture_output=True, text=True, timeout=60, env=self.env(),
+                              cwd=self.cwd, stdin=subprocess.DEVNULL)
+
+
+def assert_one_error_line(res: subprocess.CompletedProcess[str]) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +106,7 @@ def _on_a_terminal(cli: CLI, answer: str, *args: str) -> subprocess.CompletedPro
     master, slave = pty.openpty()
     try:
         p = subprocess.Popen([cli.exe, *args], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=cli_env(cli.home), cwd=cli.cwd)
+                             text=True, env=cli.env(), cwd=cli.cwd)
         os.write(master, answer.encode() + b"\n")
         out, err = p.communicate(timeout=60)
     finally:
