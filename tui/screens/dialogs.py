@@ -113,10 +113,11 @@ def help_rows(screen: Screen) -> list[tuple[str, str, str, bool]]:
     """(where, keys, what it does, enabled) for each binding active on `screen`, the keys of one
     binding together ("n/esc"), grouped: the screen's, the focused widget's, then the app's."""
     app = screen.app
-    grouped: dict[tuple[int, int], list[Any]] = {}
-    order: list[tuple[int, int]] = []
+    grouped: dict[tuple[int, str, str], list[Any]] = {}
+    order: list[tuple[int, str, str]] = []
     for active in screen.active_bindings.values():
-        mark = (id(active.node), id(active.binding))
+        # Textual splits "ctrl+c,super+c" into a binding per key: one row for them all.
+        mark = (id(active.node), active.binding.action, active.binding.description)
         if mark not in grouped:
             grouped[mark] = [active.node, active.binding, active.enabled, []]
             order.append(mark)
@@ -131,6 +132,11 @@ def help_rows(screen: Screen) -> list[tuple[str, str, str, bool]]:
         else:  # the focused widget or one around it
             where = f"the {type(node).__name__}" + (f" #{node.id}" if node.id else "")
         desc = binding.description or binding.tooltip or binding.action.replace("_", " ")
-        rows.append((where, "/".join(dict.fromkeys(keys)), desc, enabled))
+        rows.append((where, "/".join(dict.fromkeys(keys)), desc, enabled, binding.action in _TEXTUAL_SCREEN_ACTIONS))
     rank = {"this screen": 0, "everywhere": 2}
-    return sorted(rows, key=lambda r: rank.get(r[0], 1))  # stable: each group keeps its bindings' order
+    # Stable: each group keeps its bindings' order, the screen's own keys before Textual's (tab, copy).
+    rows.sort(key=lambda r: (rank.get(r[0], 1), r[4]))
+    return [r[:4] for r in rows]
+
+
+_TEXTUAL_SCREEN_ACTIONS = frozenset(b.action for b in Screen.BINDINGS if isinstance(b, Binding))
