@@ -175,6 +175,18 @@ async def test_delete_asks_then_deletes_on_the_worker(own_worker: WorkerProcess)
         await until(pilot, lambda: done not in screen.shown, what="the row to go", timeout=30)
         with own_worker.client() as c, pytest.raises(JobsError):
             c.get(done)
+        # From the detail screen: it closes once its job is gone.
+        with own_worker.client() as c:
+            shown = c.submit({"kind": "command", "name": "tui-delete-from-detail", "command": "echo hi"})["id"]
+            c.wait(shown, timeout=60)
+        await until(pilot, lambda: shown in screen.shown, what="the second row")
+        app.open_detail(shown)
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, DetailScreen)
+        await pilot.press("d", "y")
+        await until(pilot, lambda: app.screen is screen and shown not in screen.shown, what="back on the jobs screen")
+        with own_worker.client() as c, pytest.raises(JobsError):
+            c.get(shown)
 
     with own_worker.client() as c:
         kept = c.submit({"kind": "command", "name": "tui-keep-me", "command": "echo hi"})["id"]
