@@ -47,11 +47,15 @@ def report(
 
 def default_path(job: dict[str, Any]) -> Path:
     """report.html in the job's run dir, beside its outputs; where that dir is not on this machine
-    (a worker elsewhere), report-JOB.html here, and a line on stderr saying so."""
+    (a worker elsewhere) or not writable by this user (a worker of another uid), report-JOB.html
+    here, and a line on stderr saying so."""
+    import os
+
     run_dir = job.get("run_dir")
-    if run_dir and Path(run_dir).is_dir():
+    if run_dir and Path(run_dir).is_dir() and os.access(run_dir, os.W_OK):
         return Path(run_dir) / "report.html"
+    why = "is not writable by this user" if run_dir and Path(run_dir).is_dir() else "is not on this machine"
     here = Path(f"report-{job['id']}.html")
-    typer.echo(f"job {job['id']}: its run dir {run_dir or '(none yet)'} is not on this machine; writing ./{here} "
+    typer.echo(f"job {job['id']}: its run dir {run_dir or '(none yet)'} {why}; writing ./{here} "
                "(-o PATH to choose)", err=True)
     return here

@@ -216,3 +216,11 @@ def test_sample_every_zero_means_off(cli: CLI, tmp_path: Path) -> None:
     path.write_text(json.dumps(spec(0)))
     res = cli("validate", str(path))
     assert res.returncode == 0, res.stderr
+
+
+def test_report_path_when_the_run_dir_is_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    from jobs._cli.report import default_path
+
+    assert default_path({"id": "abc123", "run_dir": "/nowhere/runs/abc123"}) == Path("report-abc123.html")
+    err = capsys.readouterr().err
+    assert "/nowhere/runs/abc123 is not on this machine" in err and "-o PATH" in err
