@@ -90,7 +90,7 @@ class TrainSpec(_Strict):
     save_every: Optional[int] = Field(250, ge=1, le=10**9, description="Checkpoint every N steps (null: only at the end).")
     save_every_minutes: Optional[float] = Field(None, gt=0.0, le=1e7, description="Also checkpoint every N minutes.")
     keep_last: int = Field(3, ge=1, le=10_000, description="Checkpoints kept; older ones are deleted.")
-    sample_every: Optional[int] = Field(None, ge=1, le=10**9, description="Render sample_prompts every N steps.")
+    sample_every: Optional[int] = Field(None, ge=0, le=10**9, description="Render sample_prompts every N steps (0 or null: off).")
     sample_prompts: Optional[Union[str, list[str]]] = Field(
         None, description="Prompts (a list, or a file with one per line), each optionally with --w --h --seed --steps --guidance --n.")
     sample_steps: int = Field(20, ge=1, le=100_000)
@@ -103,6 +103,11 @@ class TrainSpec(_Strict):
     _split = field_validator("lora_target_modules", mode="before")(_names)
     _sample_options = field_validator("sample_prompts")(
         lambda v: _inline_options(v) if isinstance(v, list) else v)  # a file is read at setup
+
+    @field_validator("sample_every")
+    @classmethod
+    def _zero_is_off(cls, value: Optional[int]) -> Optional[int]:
+        return value or None  # 0 reads as "off", as null does: one value for the runner to test
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":

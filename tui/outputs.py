@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-__all__ = ["Checkpoint", "summarize_outputs", "IMAGE_TYPES"]
+__all__ = ["Checkpoint", "summarize_outputs", "distinct_samples", "IMAGE_TYPES"]
 
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
                ".gif": "image/gif"}
@@ -43,6 +43,28 @@ def summarize_outputs(files: list[dict[str, Any]]) -> tuple[list[Checkpoint], li
         ck.mtime = max(ck.mtime, float(f.get("mtime") or 0))
         if path.name.lower() in _MARKERS:
             ck.complete = True
+    samples = distinct_samples(samples)
     samples.sort(key=lambda f: float(f.get("mtime") or 0), reverse=True)
     checkpoints = sorted(groups.values(), key=lambda c: c.mtime, reverse=True)
     return checkpoints, samples
+
+
+def distinct_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One copy of each sample: the train runner also writes each step's images as a contact sheet
+    (`step000010_sheet.png` beside `step000010_00.png`), and a video's frames (`step000010_00/0000.png`)
+    beside its GIF (`step000010_00.gif`). A sheet or frame with its own images listed is dropped."""
+    paths = {str(f.get("path", "")) for f in samples}
+    prefixes = {p.rsplit("_", 1)[0] for p in paths if "_" in PurePosixPath(p).name and not _is_sheet(p)}
+    keep = []
+    for f in samples:
+        path = PurePosixPath(str(f.get("path", "")))
+        if _is_sheet(str(path)) and str(path.with_suffix("")).removesuffix("_sheet") in prefixes:
+            continue
+        if path.parent != PurePosixPath(".") and str(path.parent) + ".gif" in paths:
+            continue  # one frame of a clip shown as its GIF
+        keep.append(f)
+    return keep
+
+
+def _is_sheet(path: str) -> bool:
+    return PurePosixPath(path).stem.endswith("_sheet")

@@ -12,7 +12,7 @@ import base64
 import html
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -23,7 +23,7 @@ from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_value, num
 from tui.history import CHARTS, ChartSpec, MetricHistory, Series, budget_of, hit_rate_of
 from tui.outputs import IMAGE_TYPES, summarize_outputs
 
-__all__ = ["gather", "render_report", "build_report", "svg_chart"]
+__all__ = ["gather", "render_report", "build_report", "svg_chart", "step_axis"]
 
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 8 << 20
@@ -76,8 +76,30 @@ def _fmt(value: float | None, unit: str) -> str:
     return fmt_value(value, unit)
 
 
-def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int = 200) -> str:
-    """One chart as inline SVG: a polyline per series (gaps at NaN), a dashed limit line, axis labels."""
+def step_axis(rows: list[Any]) -> Callable[[float, bool], str]:
+    """The x-axis label of a chart point: the training step of its metrics row.
+
+    `MetricHistory` numbers the dict rows from 1 (its x); a row without a step (the load phase)
+    takes the nearest step after it for the axis' start (`start=True`) and before it for its end.
+    A job whose rows carry no step at all is labelled by row."""
+    steps = [num(r.get("step")) for r in rows if isinstance(r, dict)]
+    if all(s is None for s in steps):
+        return lambda x, start: f"row {int(x) or 1}"
+
+    def label(x: float, start: bool) -> str:
+        i = min(max(int(x) - 1, 0), len(steps) - 1)
+        order = list(range(i, len(steps))) + list(range(i - 1, -1, -1)) if start else \
+            list(range(i, -1, -1)) + list(range(i + 1, len(steps)))
+        step = next(steps[j] for j in order if steps[j] is not None)
+        return f"step {int(step)}"
+
+    return label
+
+
+def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int = 200,
+              x_label: Callable[[float, bool], str] | None = None) -> str:
+    """One chart as inline SVG: a polyline per series (gaps at NaN), a dashed limit line, axis labels
+    (x: `x_label(x, start)`, the step by default when the caller passes `step_axis(rows)`)."""
     series: list[tuple[str, Series]] = [(label, h.get(name)) for name, label in chart.series]
     series = [(label, s) for label, s in series if s.finite()]
     limit = h.get(chart.limit).last() if chart.limit else None
@@ -96,6 +118,7 @@ def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int 
             hi = lo + (abs(lo) * 0.1 or 1.0)
     left, right, top, bottom = 70, 10, 26, 22
     pw, ph = width - left - right, height - top - bottom
+    x_label = x_label or (lambda x, start: f"row {int(x) or 1}")
     xs_all = [x for _, s in series for x in s.xs]
     x0, x1 = min(xs_all), max(xs_all)
     xspan = (x1 - x0) or 1.0
@@ -108,8 +131,8 @@ def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int 
              f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="f"/>',
              f'<text x="{left - 4}" y="{top + 10}" class="a" text-anchor="end">{_e(_fmt(hi, chart.unit))}</text>',
              f'<text x="{left - 4}" y="{top + ph}" class="a" text-anchor="end">{_e(_fmt(lo, chart.unit))}</text>',
-             f'<text x="{left}" y="{height - 6}" class="a">row {int(x0) or 1}</text>',
-             f'<text x="{left + pw}" y="{height - 6}" class="a" text-anchor="end">row {int(x1)}</text>']
+             f'<text x="{left}" y="{height - 6}" class="a">{_e(x_label(x0, True))}</text>',
+             f'<text x="{left + pw}" y="{height - 6}" class="a" text-anchor="end">{_e(x_label(x1, False))}</text>']
     if limit is not None and lo <= limit <= hi:
         y = top + (hi - limit) / (hi - lo) * ph
         parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="lim"/>')
@@ -156,6 +179,11 @@ def _ts(t: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f)) if f else "-"
 
 
+def _v(value: Any) -> Any:
+    """A value for the page: "-" for one that is not there (never "None")."""
+    return "-" if value is None else value
+
+
 def render_report(data: dict[str, Any], generated_at: float | None = None) -> str:
     job, rows = data["job"], data["rows"]
     h = MetricHistory(budget=budget_of(job.get("spec")))
@@ -165,14 +193,17 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     out = ["<!doctype html><html lang=en><head><meta charset=utf-8>",
            f"<title>offload-jobs report: {_e(job.get('name') or job['id'])} ({_e(job['id'])})</title>",
            f"<style>{_CSS}</style></head><body>",
-           f"<h1>{_e(job.get('name') or '-')} <small>job {_e(job['id'])}, {_e(job.get('kind'))}</small></h1>"]
+           f"<h1>{_e(job.get('name') or '-')} <small>job {_e(job['id'])}, {_e(_v(job.get('kind')))}</small></h1>"]
     runtime = None
     if num(job.get("started_at")):
         runtime = (num(job.get("finished_at")) or time.time()) - num(job.get("started_at"))  # type: ignore[operator]
     facts = [("status", f"{status}" + (f" ({job['reason']})" if job.get("reason") and status != JobState.SUCCEEDED else "")),
-             ("attempt", f"{job.get('attempt')} of {job.get('max_attempts')}"), ("created", _ts(job.get("created_at"))),
+             ("attempt", f"{_v(job.get('attempt'))} of {_v(job.get('max_attempts'))}"),
+             ("created", _ts(job.get("created_at"))),
              ("started", _ts(job.get("started_at"))), ("finished", _ts(job.get("finished_at"))),
-             ("runtime", fmt_duration(runtime)), ("exit code", job.get("exit_code")),
+             ("runtime", fmt_duration(runtime)),
+             ("exit code", _v(job.get("exit_code")) if job.get("finished_at") or job.get("exit_code") is not None
+              else "- (not finished)"),
              ("metrics rows", len(rows)), ("last step", fmt_num(last.get(Metric.step))), ("last loss", fmt_num(last.get(Metric.loss), 6)),
              ("peak VRAM", fmt_bytes(last.get(Metric.vram_peak_bytes))), ("VRAM budget", fmt_bytes(h.budget) if h.budget else "none"),
              ("pinned pool", f"{fmt_bytes(last.get(Metric.pinned_used_bytes))} of {fmt_bytes(last.get(Metric.pinned_capacity_bytes))}"),
@@ -182,8 +213,9 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
              ("stall", f"{fmt_num(last.get(Metric.stall_ms), 4)} ms in total")]
     out.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts) + "</table>")
     out.append("<h2>Charts</h2><div class=charts>")
-    out += [svg_chart(c, h) for c in CHARTS]
-    out.append(svg_chart(STEP_CHART, h))
+    x_label = step_axis(rows)
+    out += [svg_chart(c, h, x_label=x_label) for c in CHARTS]
+    out.append(svg_chart(STEP_CHART, h, x_label=x_label))
     out.append("</div>")
     out.append("<h2>The engine's plan</h2>")
     plan = h.plan
@@ -192,18 +224,18 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     if plan or any(v != "-" for _, v in step_rows):
         items = list((plan or {}).items()) + step_rows
         out.append("<table>" + "".join(
-            f"<tr><th>{_e(k)}</th><td>{_e(fmt_bytes(v) if k.endswith('_bytes') else fmt_num(v) if isinstance(v, (int, float)) else v)}</td></tr>"
+            f"<tr><th>{_e(k)}</th><td>{_e(fmt_bytes(v) if k.endswith('_bytes') else fmt_num(v) if isinstance(v, (int, float)) else _v(v))}</td></tr>"
             for k, v in items) + "</table>")
     else:
         out.append("<p>This job's metrics carry no engine plan.</p>")
     out.append("<h2>Timeline</h2><table><tr><th>time</th><th>event</th><th>status</th><th>details</th></tr>")
     for ev in data.get("events") or []:
         extra = {k: v for k, v in ev.items() if k not in ("ts", "type", "status") and v is not None}
-        out.append(f"<tr><td>{_e(_ts(ev.get('ts')))}</td><td>{_e(ev.get('type', ''))}</td><td>{_e(ev.get('status', ''))}</td>"
+        out.append(f"<tr><td>{_e(_ts(ev.get('ts')))}</td><td>{_e(ev.get('type') or '')}</td><td>{_e(ev.get('status') or '')}</td>"
                    f"<td>{_e(', '.join(f'{k}={v}' for k, v in extra.items()))}</td></tr>")
     for a in job.get("attempts") or []:
-        out.append(f"<tr><td>{_e(_ts(a.get('started_at')))}</td><td>attempt {_e(a.get('number'))}</td>"
-                   f"<td>{_e(a.get('status'))}</td><td>{_e(a.get('reason') or '')} {_e(a.get('message') or '')} "
+        out.append(f"<tr><td>{_e(_ts(a.get('started_at')))}</td><td>attempt {_e(_v(a.get('number')))}</td>"
+                   f"<td>{_e(_v(a.get('status')))}</td><td>{_e(a.get('reason') or '')} {_e(a.get('message') or '')} "
                    f"ended {_e(_ts(a.get('finished_at')))}</td></tr>")
     out.append("</table>")
     out.append("<h2>Samples</h2>")

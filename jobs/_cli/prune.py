@@ -14,12 +14,16 @@ def prune(
         "--older-than", help="Delete jobs that finished more than this long ago: e.g. 7d, 12h, 90m.",
         show_default=False)],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete jobs with outputs without asking.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print {\"deleted\": [ids], \"dry_run\": ...}.")] = False,
 ) -> None:
     """Delete finished jobs (SUCCEEDED, FAILED, CANCELLED) older than --older-than, with their run dirs.
 
-    Pending and running jobs are never touched.
+    Pending and running jobs are never touched. Jobs with files under outputs/ (a LoRA, samples)
+    are deleted only after a yes on the terminal, or with --yes.
     """
+    import time
+
     from jobs._cli.connect import connect
     from jobs.spec import parse_duration
 
@@ -29,7 +33,21 @@ def prune(
         raise CliError(f"--older-than: {exc}") from None
     if not isinstance(seconds, float):
         raise CliError(f"--older-than: not a duration: {older_than!r}")
-    result = connect().prune(seconds, dry_run=dry_run)
+    from jobs._cli.confirm import confirm_deletion, jobs_with_outputs
+
+    client = connect()
+    if dry_run:
+        result = client.prune(seconds, dry_run=True)
+    else:
+        # What would go, asked about, then pruned at the same cutoff (however long the answer took):
+        # a job that finished meanwhile is not deleted unasked.
+        asked_at = time.monotonic()
+        would = client.prune(seconds, dry_run=True)
+        if not would["deleted"]:
+            result = would
+        else:
+            confirm_deletion(would["jobs"], jobs_with_outputs(client, would["jobs"]), yes)
+            result = client.prune(seconds + (time.monotonic() - asked_at), dry_run=False)
     if json_out:
         print_json({"deleted": result["deleted"], "dry_run": result["dry_run"]})
         return

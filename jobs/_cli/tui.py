@@ -26,7 +26,8 @@ def tui(
 ) -> None:
     """Open the terminal dashboard: jobs, VRAM, pinned pool, cache hits, GB/s, loss and logs.
 
-    Keys: / filter, Enter detail, l logs, c cancel, r retry, s save/sample, n new job, ? help, Esc back.
+    Keys: / filter, Enter detail, l logs, c cancel, r retry, s save/sample, d delete, o sort, O reverse sort,
+    n new job, ? help (every key of the screen), Esc back.
     """
     from tui.app import main
 

@@ -228,3 +228,27 @@ def component_offload(module: torch.nn.Module | None, device: torch.device, budg
     finally:
         handle.remove()
         torch.cuda.empty_cache()
+
+
+# Below this many bytes of weights the process's own RAM (torch, the data, the tokenizer) is most
+# of the peak, and a ratio to the weights says nothing about the engine: give the figures only.
+RATIO_MIN_WEIGHT_BYTES = 1 << 30
+
+
+def bytes_text(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover - the loop returns
+
+
+def host_ram_on_load(peak_bytes: int, before_bytes: int, weight_bytes: int) -> str:
+    """The log's words for host RAM while loading: figures, with a ratio only where it means
+    something ("peaked at 12.3 MB for 14.1 KB of weights" for a tiny model, not "833x")."""
+    added = max(0, peak_bytes - before_bytes)
+    if weight_bytes < RATIO_MIN_WEIGHT_BYTES:
+        return (f"host RAM while loading peaked at {bytes_text(peak_bytes)} for {bytes_text(weight_bytes)} of weights "
+                f"(loading added {bytes_text(added)}; fixed overhead dominates at this size)")
+    return (f"host RAM while loading peaked at {bytes_text(peak_bytes)}, {peak_bytes / weight_bytes:.2f}x the "
+            f"{bytes_text(weight_bytes)} of weights (loading added {added / weight_bytes:.2f}x)")

@@ -29,8 +29,8 @@ from jobs.runners.data import epoch_order, make_buckets, nearest_bucket
 from jobs.runners.errors import NonFiniteLoss
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
-from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
-                               resolve_device, resolve_dtype)
+from jobs.runners.load import (apply_vram_cap, bytes_text, free_host_memory, host_ram_on_load, load_pipeline_parts,
+                               load_transformer, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError
 from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
@@ -213,11 +213,10 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                    "lora_modules": len(adapted), "lora_parameters": sum(p.numel() for p in lora_params),
                    **loaded.memory}
     metrics.write(load_record)
-    print(f"{family.name} transformer: {loaded.weight_bytes / 1e9:.2f} GB of weights, {len(adapted)} LoRA modules "
+    print(f"{family.name} transformer: {bytes_text(loaded.weight_bytes)} of weights, {len(adapted)} LoRA modules "
           f"(rank {t.lora_rank}, alpha {alpha:g}), engine {'on ' + str(device) if engine_keys is not None else 'off'}; "
-          f"host RSS while loading peaked at {load_record['rss_peak_load_bytes'] / 1e9:.2f} GB "
-          f"({load_record['rss_peak_load_ratio']:.2f}x the weight bytes; loading added "
-          f"{load_record['rss_load_added_ratio']:.2f}x)", flush=True)
+          + host_ram_on_load(load_record["rss_peak_load_bytes"], loaded.memory["rss_before_load"], loaded.weight_bytes),
+          flush=True)
 
     per_epoch = len(epoch_order(items, t.repeats, t.batch_size, t.seed, 0))
     steps_per_epoch = max(1, per_epoch // t.gradient_accumulation_steps)

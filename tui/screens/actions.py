@@ -1,4 +1,4 @@
-"""Keys that act on one job, shared by the jobs and detail screens: cancel, retry, logs, signal."""
+"""Keys that act on one job, shared by the jobs and detail screens: cancel, retry, logs, signal, delete."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from jobs.errors import JobsError
 
 __all__ = ["JobActions"]
 
-WRITE_ACTIONS = frozenset({"cancel", "retry", "signal", "submit"})
+WRITE_ACTIONS = frozenset({"cancel", "retry", "signal", "submit", "delete"})
 
 
 class JobActions:
-    """Mixin for a Screen with `selected_job_id()`; `--read-only` hides cancel, retry and signal."""
+    """Mixin for a Screen with `selected_job_id()`; `--read-only` hides cancel, retry, signal and delete."""
 
     ACTION_BINDINGS = [
         Binding("c", "cancel", "Cancel"),
         Binding("r", "retry", "Retry"),
         Binding("l", "logs", "Logs"),
         Binding("s", "signal", "Save/sample"),
+        Binding("d", "delete", "Delete"),
     ]
 
     app: Any
@@ -88,7 +89,29 @@ class JobActions:
 
         self.app.push_screen(ChoiceScreen(f"Signal job {job_id}:", ["save", "sample"]), done)
 
-    def _call(self, what: str, fn: Any, ok: str) -> None:
+    def action_delete(self) -> None:
+        from tui.screens.dialogs import ConfirmScreen
+
+        job = self._job()
+        if job is None or self.app.read_only:
+            return
+        job_id = job["id"]
+        question = (f"Delete job {job_id} ({job.get('name') or job.get('kind') or '?'}, {job.get('status', '?')}) "
+                    f"for good?\nIts record, logs and run dir go, with its checkpoints and samples.")
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self._call(f"delete {job_id}", lambda c: c.delete(job_id), "deleted",
+                           then=lambda: self.deleted(job_id))
+
+        self.app.push_screen(ConfirmScreen(question, yes="Delete job", no="Keep it"), done)
+
+    def deleted(self, job_id: str) -> None:
+        """The worker deleted `job_id`: drop it now rather than at the next full listing."""
+        if self.app.jobs.pop(job_id, None) is not None:
+            self.app.touch(job_id)
+
+    def _call(self, what: str, fn: Any, ok: str, then: Any = None) -> None:
         app = self.app
 
         def run() -> None:
@@ -99,6 +122,8 @@ class JobActions:
                 app.call_from_thread(app.notify, f"{what}: {exc}", severity="error", timeout=6)
                 return
             app.call_from_thread(app.notify, f"{what}: {ok}", timeout=3)
+            if then is not None:
+                app.call_from_thread(then)
             if app.feed is not None:
                 app.feed.poke()
 

@@ -101,12 +101,17 @@ def latest_text(h: MetricHistory) -> Text:
 
 
 class DetailScreen(JobActions, Screen):
-    BINDINGS = [Binding("escape", "back", "Back"), *JobActions.ACTION_BINDINGS]
+    BINDINGS = [Binding("escape", "back", "Back"), *JobActions.ACTION_BINDINGS,
+                Binding("pagedown", "scroll_body(1)", "Scroll down", show=False),
+                Binding("pageup", "scroll_body(-1)", "Scroll up", show=False)]
+    # The summary stays above the scrolling part (charts, tabs): on a small terminal the charts
+    # alone are taller than the screen, and the job's status must stay in view.
     DEFAULT_CSS = """
-    DetailScreen #summary { height: auto; padding: 0 1; }
+    DetailScreen #summary { height: auto; max-height: 50%; padding: 0 1; border-bottom: solid $primary-darken-2; }
+    DetailScreen #body { height: 1fr; }
     DetailScreen #charts { grid-size: 2; grid-gutter: 0 1; height: auto; grid-rows: 8; }
     DetailScreen #charts.-narrow { grid-size: 1; }
-    DetailScreen TabbedContent { height: 1fr; min-height: 6; }
+    DetailScreen TabbedContent { height: 1fr; min-height: 12; }
     """
 
     def __init__(self, job_id: str) -> None:
@@ -134,18 +139,19 @@ class DetailScreen(JobActions, Screen):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield Static(id="summary")
-        with Grid(id="charts"):
-            for c in CHARTS:
-                yield TimeChart(c, lambda: self.history, id=f"chart-{c.key}")
-        with TabbedContent(id="tabs"):
-            with TabPane("events", id="tab-events"):
-                yield VerticalScroll(Static(id="events"))
-            with TabPane("spec", id="tab-spec"):
-                yield VerticalScroll(Static(id="spec"))
-            with TabPane("checkpoints & samples", id="tab-outputs"):
-                yield VerticalScroll(Static(id="outputs"))
-            with TabPane("latest metrics", id="tab-latest"):
-                yield VerticalScroll(Static(id="latest"))
+        with VerticalScroll(id="body", can_focus=False):
+            with Grid(id="charts"):
+                for c in CHARTS:
+                    yield TimeChart(c, lambda: self.history, id=f"chart-{c.key}")
+            with TabbedContent(id="tabs"):
+                with TabPane("events", id="tab-events"):
+                    yield VerticalScroll(Static(id="events"))
+                with TabPane("spec", id="tab-spec"):
+                    yield VerticalScroll(Static(id="spec"))
+                with TabPane("checkpoints & samples", id="tab-outputs"):
+                    yield VerticalScroll(Static(id="outputs"))
+                with TabPane("latest metrics", id="tab-latest"):
+                    yield VerticalScroll(Static(id="latest"))
         yield ConnectionBar()
         yield Footer()
 
@@ -160,6 +166,8 @@ class DetailScreen(JobActions, Screen):
             self.app.after_first_frame(self._start_feeds)
         self.sync()
         self._timer = self.set_interval(self.app.refresh_s, self.sync)
+        # Focusing the tabs scrolls them into view: open at the charts instead.
+        self.call_after_refresh(self.query_one("#body", VerticalScroll).scroll_home, animate=False)
 
     def _start_feeds(self) -> None:
         if not self.is_attached:
@@ -319,6 +327,15 @@ class DetailScreen(JobActions, Screen):
         for s in samples[:10]:
             t.append(f"  outputs/{s['path']}  {fmt_bytes(s.get('size'))}\n")
         return t
+
+    def deleted(self, job_id: str) -> None:
+        super().deleted(job_id)
+        if self.is_current:
+            self.app.pop_screen()  # nothing left to show
+
+    def action_scroll_body(self, pages: int) -> None:
+        body = self.query_one("#body", VerticalScroll)
+        body.scroll_to(y=body.scroll_y + pages * max(1, body.scrollable_content_region.height - 2), animate=False)
 
     def action_back(self) -> None:
         self.app.pop_screen()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Label, Static
 
-__all__ = ["ConfirmScreen", "ChoiceScreen", "HelpScreen"]
+__all__ = ["ConfirmScreen", "ChoiceScreen", "HelpScreen", "help_rows"]
 
 _DIALOG_CSS = """
     {name} {{ align: center middle; }}
@@ -71,32 +74,69 @@ class ChoiceScreen(ModalScreen[str | None]):
 
 
 class HelpScreen(ModalScreen[None]):
-    """The keys of the screen underneath, from its bindings."""
+    """Every key that works on the screen underneath: its focused widget's, its own and the app's,
+    read from Textual's active bindings (so a key hidden by `--read-only` is not listed)."""
 
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
-    DEFAULT_CSS = _DIALOG_CSS.format(name="HelpScreen")
+    # A Static in a `width: auto` box is 1fr wide, which is 0 there: the box needs a width of its own.
+    DEFAULT_CSS = _DIALOG_CSS.format(name="HelpScreen") + """
+    HelpScreen > Vertical { width: 72; max-width: 100%; max-height: 100%; padding: 0 1; }
+    HelpScreen VerticalScroll { height: auto; max-height: 100%; }
+    HelpScreen #help-keys { width: 100%; height: auto; }
+    """
 
     def __init__(self, under: Screen) -> None:
         super().__init__()
         self.under = under
+        self.rows = help_rows(under)
 
     def compose(self) -> ComposeResult:
-        lines = [f"[b]{type(self.under).__name__.removesuffix('Screen')}[/b] keys", ""]
-        seen = set()
-        for b in [*getattr(self.under, "BINDINGS", []), *self.app.BINDINGS]:
-            key = b.key if hasattr(b, "key") else b[0]
-            if key in seen:
-                continue
-            seen.add(key)
-            action = b.action if hasattr(b, "action") else b[1]
-            desc = (b.description if hasattr(b, "description") else b[2]) or action
-            if self.under.check_action(action.split("(")[0], ()) is False:
-                continue
-            shown = getattr(b, "key_display", None) or key
-            lines.append(f"  [b]{shown:>10}[/b]  {desc}")
-        lines += ["", "Esc goes back; q quits from the jobs screen."]
+        t = Text()
+        t.append(f"{type(self.under).__name__.removesuffix('Screen')} keys\n", style="bold")
+        section = None
+        for where, keys, desc, enabled in self.rows:
+            if where != section:
+                section = where
+                t.append(f"\n{where}\n", style="bold dim")
+            t.append(f"{keys:>14}", style="bold" if enabled else "dim")
+            t.append(f"  {desc}\n", style="" if enabled else "dim")
+        t.append("\nEsc, q or ? closes this help.", style="dim")
         with Vertical():
-            yield Static("\n".join(lines))
+            with VerticalScroll():
+                yield Static(t, id="help-keys")
 
     def action_close(self) -> None:
         self.dismiss(None)
+
+
+def help_rows(screen: Screen) -> list[tuple[str, str, str, bool]]:
+    """(where, keys, what it does, enabled) for each binding active on `screen`, the keys of one
+    binding together ("n/esc"), grouped: the screen's, the focused widget's, then the app's."""
+    app = screen.app
+    grouped: dict[tuple[int, str, str], list[Any]] = {}
+    order: list[tuple[int, str, str]] = []
+    for active in screen.active_bindings.values():
+        # Textual splits "ctrl+c,super+c" into a binding per key: one row for them all.
+        mark = (id(active.node), active.binding.action, active.binding.description)
+        if mark not in grouped:
+            grouped[mark] = [active.node, active.binding, active.enabled, []]
+            order.append(mark)
+        grouped[mark][3].append(app.get_key_display(active.binding))
+    rows = []
+    for mark in order:
+        node, binding, enabled, keys = grouped[mark]
+        if node is app:
+            where = "everywhere"
+        elif node is screen:
+            where = "this screen"
+        else:  # the focused widget or one around it
+            where = f"the {type(node).__name__}" + (f" #{node.id}" if node.id else "")
+        desc = binding.description or binding.tooltip or binding.action.replace("_", " ")
+        rows.append((where, "/".join(dict.fromkeys(keys)), desc, enabled, binding.action in _TEXTUAL_SCREEN_ACTIONS))
+    rank = {"this screen": 0, "everywhere": 2}
+    # Stable: each group keeps its bindings' order, the screen's own keys before Textual's (tab, copy).
+    rows.sort(key=lambda r: (rank.get(r[0], 1), r[4]))
+    return [r[:4] for r in rows]
+
+
+_TEXTUAL_SCREEN_ACTIONS = frozenset(b.action for b in Screen.BINDINGS if isinstance(b, Binding))

@@ -34,6 +34,9 @@ __all__ = ["JobsScreen", "job_row", "COLUMNS", "STATUS_STYLE"]
 COLUMNS = (("id", "ID"), ("name", "NAME"), ("kind", "KIND"), ("status", "STATUS"), ("attempt", "ATT"),
            ("progress", "PROGRESS"), ("vram", "PEAK VRAM/BUDGET"), ("hit", "HIT"), ("age", "AGE"))
 AGE = len(COLUMNS) - 1
+# The columns kept when the table is narrow, most wanted first (those that fit are shown).
+PRIORITY = ("id", "status", "name", "progress", "vram", "age", "hit", "attempt", "kind")
+SORT_ARROWS = {False: "▲", True: "▼"}
 AGE_TICK_S = 1.0
 COVERED_POLL_S = 1.0  # the live jobs' re-read while another screen covers this one (statuses come by events)
 
@@ -75,6 +78,44 @@ def age_cell(job: dict[str, Any], now: float) -> Text:
     return Text(fmt_age(job.get("created_at"), now))
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)
+
+
+def sort_value(job: dict[str, Any], column: str) -> Any:
+    """What the jobs are ordered by for `column` (None: no value, listed last either way)."""
+    m = job.get("last_metrics") if isinstance(job.get("last_metrics"), dict) else {}
+    if column == "age":
+        created = num(job.get("created_at"))
+        return None if created is None else -created  # youngest first: the smallest age
+    if column == "status":
+        order = list(STATUS_STYLE)  # the lifecycle order
+        status = job.get("status")
+        return order.index(status) if status in order else len(order)
+    if column == "attempt":
+        return num(job.get("attempt"))
+    if column == "progress":
+        spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
+        frac = progress_of(m, spec)[0]
+        return 1.0 if frac is None and job.get("status") == "SUCCEEDED" else frac  # as `job_row` shows it
+    if column == "vram":
+        peak = num(m.get("vram_peak_bytes"))
+        return peak if peak is not None else num(m.get("vram_allocated_bytes"))
+    if column == "hit":
+        return hit_rate_of(m)
+    value = job.get(column)
+    return None if value is None else str(value).lower()
+
+
+def sorted_ids(jobs: dict[str, dict[str, Any]], keys: Any, column: str, descending: bool) -> list[str]:
+    """`keys` ordered by `column` (ties and jobs with no value: newest first, the latter last)."""
+    newest = sorted(keys, key=lambda k: num(jobs[k].get("created_at")) or 0.0, reverse=True)
+    values = {k: sort_value(jobs[k], column) for k in newest}
+    have = [k for k in newest if not _missing(values[k])]
+    have.sort(key=lambda k: values[k], reverse=descending)  # stable: ties stay newest first
+    return have + [k for k in newest if _missing(values[k])]
+
+
 def _matches(job: dict[str, Any], needle: str) -> bool:
     if not needle:
         return True
@@ -83,7 +124,8 @@ def _matches(job: dict[str, Any], needle: str) -> bool:
 
 
 class JobsScreen(JobActions, Screen):
-    """Every job, newest first. `/` filters, Enter opens the detail, Esc clears the filter."""
+    """Every job, newest first. `/` filters, Enter opens the detail, Esc clears the filter, `o`
+    sorts by the next column and `O` turns the order round."""
 
     AUTO_FOCUS = "#jobs"
 
@@ -92,6 +134,8 @@ class JobsScreen(JobActions, Screen):
         Binding("enter", "open", "Detail", show=True),
         Binding("escape", "clear_filter", "Clear filter", show=False),
         Binding("n", "submit", "New job"),
+        Binding("o", "sort_next", "Sort"),
+        Binding("O", "sort_reverse", "Reverse sort", key_display="O"),
         *JobActions.ACTION_BINDINGS,
     ]
     DEFAULT_CSS = """
@@ -106,17 +150,20 @@ class JobsScreen(JobActions, Screen):
         self._seen = -1  # the app's version drawn
         self._age_tick = 0.0
         self._poll_s: float | None = None  # the feed's interval while this screen is covered
+        self.sort_column = "age"
+        self.sort_descending = False  # with "age": newest first
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield GpuPanel(reader=getattr(self.app, "gpu_reader", None), interval=1.0 if self.app.feed else 0)
         yield Input(placeholder="filter: id, name, kind or status (Enter: back to the table, Esc: clear)", id="filter")
-        yield KeyedTable(COLUMNS, id="jobs", cursor_type="row", zebra_stripes=True)
+        yield KeyedTable(COLUMNS, priority=PRIORITY, id="jobs", cursor_type="row", zebra_stripes=True)
         yield ConnectionBar()
         yield Footer()
 
     def on_mount(self) -> None:
         self.sub_title = self.app.url
+        self._mark_sort()
         self.sync()
         self._timer = self.set_interval(self.app.refresh_s, self.sync)
         self.watch(self.table, "scroll_y", self._scrolled, init=False)
@@ -193,11 +240,34 @@ class JobsScreen(JobActions, Screen):
         before = len(shown)  # after the removals
         wanted = [(k, jobs[k]) for k in job_ids if k in jobs and _matches(jobs[k], self.filter_text)]
         drew = table.put_many([(key, job_row(job, now)) for key, job in wanted]) or bool(gone)
-        if len(shown) > before and len(shown) > 1:  # rows were added: newest first
-            newest_first = sorted(shown, key=lambda k: num(jobs[k].get("created_at")) or 0.0, reverse=True)
-            order = {k: i for i, k in enumerate(newest_first)}
-            table.sort("id", key=lambda cell: order.get(str(cell), 0))
+        # Rows were added, or (sorted by a value that changes) rows changed: in order again.
+        changing = self.sort_column not in ("age", "id", "name", "kind")
+        if len(shown) > 1 and (len(shown) > before or (wanted and changing)):
+            self._sort()
         return drew
+
+    def _sort(self) -> None:
+        table, shown = self.table, self.shown
+        order = sorted_ids(self.app.jobs, [k for k in shown if k in self.app.jobs], self.sort_column,
+                           self.sort_descending)
+        if order == [str(row.key.value) for row in table.ordered_rows]:
+            return
+        # The cursor stays on its job, except on the top row: there it follows what comes first
+        # (the newest job, by default), as a log follows its end.
+        keep = self.selected_job_id() if table.cursor_row > 0 else None
+        rank = {k: i for i, k in enumerate(order)}
+        table.sort("id", key=lambda cell: rank.get(str(cell), len(rank)))  # "id" is always shown
+        if keep is not None and keep in shown:
+            table.move_cursor(row=table.get_row_index(keep))
+
+    def _mark_sort(self) -> None:
+        """The sort column's title carries an arrow (▲: smallest first, as the column shows it)."""
+        for key, label in COLUMNS:
+            arrow = ""
+            if key == self.sort_column:
+                # Ages sort by creation time: "newest first" is the smallest age first.
+                arrow = " " + SORT_ARROWS[self.sort_descending]
+            self.table.set_title(key, label + arrow)
 
     def _visible_keys(self) -> list[str]:
         t = self.table
@@ -252,6 +322,22 @@ class JobsScreen(JobActions, Screen):
     def _row_selected(self, event: DataTable.RowSelected) -> None:
         if event.row_key.value:
             self.app.open_detail(str(event.row_key.value))
+
+    def action_sort_next(self) -> None:
+        keys = [key for key, _ in COLUMNS]
+        self.sort_column = keys[(keys.index(self.sort_column) + 1) % len(keys)]
+        self.sort_descending = False
+        self._resort()
+
+    def action_sort_reverse(self) -> None:
+        self.sort_descending = not self.sort_descending
+        self._resort()
+
+    def _resort(self) -> None:
+        self._mark_sort()
+        self._sort()
+        self.notify(f"sorted by {dict(COLUMNS)[self.sort_column]}"
+                    f" {'descending' if self.sort_descending else 'ascending'}", timeout=2)
 
     def action_submit(self) -> None:
         from tui.screens.submit import SubmitScreen
