@@ -27,8 +27,10 @@ LIVE = frozenset({"STARTING", "RUNNING", "CANCELLING"})  # an attempt exists (or
 #   worker_lost     the worker died and the attempt could not be recovered
 #   killed          a SIGKILL that neither the worker nor the OOM killer sent
 #   nonfinite_loss  the train runner's guard stopped a diverging run
+#   no_cuda         the job asked for a CUDA device that the worker's torch cannot use (a CPU build)
+#   permission_denied  a model or data file the job's uid cannot read (the file and uid are named)
 REASONS = ("exit_nonzero", "setup_failed", "cuda_oom", "host_oom", "timeout", "cancelled", "worker_lost",
-           "killed", "nonfinite_loss")
+           "killed", "nonfinite_loss", "no_cuda", "permission_denied")
 RETRYABLE_REASONS = tuple(r for r in REASONS if r != "cancelled")
 
 KINDS = ("train", "infer", "shard", "command")

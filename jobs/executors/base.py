@@ -151,7 +151,7 @@ def classify(ex: Exit, *, stop_reason: str | None, killed_by_us: bool,
     report = exit_report if exit_report is not None else ex.report
     report_reason = (report or {}).get("reason")
     report_msg = (report or {}).get("message")
-    if report_reason in ("cuda_oom", "setup_failed", "host_oom", "nonfinite_loss"):
+    if report_reason in ("cuda_oom", "setup_failed", "host_oom", "nonfinite_loss", "no_cuda", "permission_denied"):
         return "FAILED", report_reason, report_msg
     sigkill = ex.signal == signal.SIGKILL or ex.exit_code == 128 + signal.SIGKILL
     if sigkill and not killed_by_us:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
-__all__ = ["NonFiniteLoss", "classify_exception", "reporting_failures"]
+__all__ = ["NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
+
+
+class NoCuda(RuntimeError):
+    """The job asks for a CUDA device that this process's torch cannot use (reason no_cuda)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -22,8 +27,18 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     from jobs.runners.folders import FamilyError, LoraError, SetupError
     from jobs.runners.prompts import PromptError
 
-    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError)):
+    from jobs.hub import HubError
+
+    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError, HubError)):
         return "setup_failed", str(exc), 2
+    if isinstance(exc, NoCuda):
+        return "no_cuda", str(exc), 2
+    if isinstance(exc, PermissionError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return "permission_denied", f"cannot read{where}: permission denied to uid {os.getuid()} (gid {os.getgid()})", 2
+    found = _input_file_error(exc)
+    if found is not None:
+        return "setup_failed", found, 2
     if isinstance(exc, NonFiniteLoss):
         return "nonfinite_loss", str(exc), 1
     core = sys.modules.get("offload_core.errors")  # loaded only if the engine was
@@ -34,6 +49,16 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
         return "cuda_oom", f"out of GPU memory: {str(exc).splitlines()[0]}", 1
     if isinstance(exc, MemoryError):
         return "host_oom", f"out of host memory: {exc}", 1
+    return None
+
+
+def _input_file_error(exc: BaseException) -> str | None:
+    """One line for a model or data file that is missing or corrupt (a safetensors header, say)."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or type(exc).__name__}"
+    if type(exc).__name__ == "SafetensorError" or (isinstance(exc, OSError) and "safetensors" in str(exc).lower()):
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"a model file cannot be read: {first[:300]}"
     return None
 
 
