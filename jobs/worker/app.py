@@ -277,6 +277,14 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
             if slurm_job and "slurm" not in executors:
                 raise SpecError("executor", "this worker cannot run executor: slurm (Slurm's sbatch, squeue, "
                                             "scancel and scontrol are not on its PATH)")
+            if not slurm_job and not gpus and spec.kind in ("train", "infer"):
+                # no silent CPU run: the scheduler keeps one "GPU" slot on a CPU-only worker, for defaults
+                why = "this worker has no GPU (its jobs run on the CPU); set resources.gpus: 0 and " \
+                      "offload.target_device: cpu, or submit to a worker with a GPU"
+                if spec.resources.gpus:
+                    raise SpecError("resources.gpus", f"asks for {spec.resources.gpus} GPU(s), but {why}")
+                if str(spec.offload.target_device or "").startswith("cuda"):
+                    raise SpecError("offload.target_device", f"is {spec.offload.target_device}, but {why}")
             if not slurm_job and spec.gpus > sched.gpu_slots:
                 raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
             why = _fit_error(spec, [g.memory_total for g in gpus], "this worker")
