@@ -114,33 +114,66 @@ def _explain(exc: BaseException, ref: HubRef, cache: Path) -> HubError:
         return HubError(f"model.path: {ref.repo} has no revision {ref.revision!r} on the hub")
     if isinstance(exc, hf.RepositoryNotFoundError):
         return HubError(f"model.path: {ref.repo} is neither a folder on the worker nor a model on the hub")
-    if isinstance(exc, hf.LocalEntryNotFoundError):
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE=1" if offline else "the hub cannot be reached"
-        return HubError(f"model.path: {ref} is not complete in the model cache {cache} and {why}; "
-                        f"missing: {_missing(ref, cache)}; run `offload-jobs pull {ref}` where the hub can be reached")
+    if _unreachable(exc):
+        return HubError(f"model.path: {ref} is not complete in the model cache and the hub cannot be reached "
+                        f"({os.environ.get('HF_ENDPOINT') or 'huggingface.co'}): {_missing(ref, cache)}; "
+                        f"run `offload-jobs pull {ref}` where the hub can be reached")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return HubError(f"model.path: fetching {ref} from the hub failed: {first[:300]}")
 
 
+_UNREACHABLE = {"ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "NetworkError",
+                "LocalEntryNotFoundError", "DryRunError", "OfflineModeIsEnabled"}
+
+
+def _unreachable(exc: BaseException | None) -> bool:
+    """The hub could not be asked (no network, a proxy, offline mode): somewhere in the exception chain."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if any(c.__name__ in _UNREACHABLE for c in type(exc).__mro__):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _missing(ref: HubRef, cache: Path) -> str:
-    """What the cache lacks for `ref`: the snapshot, or the files its tree listing names but are absent."""
+    """What the cache lacks for `ref` (offline): no snapshot at all, or the files of the one it has."""
+    try:
+        _cached_snapshot(ref, cache)
+    except HubError as exc:
+        return str(exc)
+    return "nothing"
+
+
+def _cached_snapshot(ref: HubRef, cache: Path) -> Path:
+    """The cached snapshot of `ref` with every file a pipeline loads, found without the network.
+
+    Raises HubError saying what is missing: the snapshot, model_index.json, component folders, or
+    the files the hub's tree listing (cached at fetch time) names that are not there."""
     storage = cache / f"models--{ref.repo.replace('/', '--')}"
     ref_file = storage / "refs" / ref.revision
     commit = ref_file.read_text().strip() if ref_file.is_file() else ref.revision
     snap = storage / "snapshots" / commit
     if not snap.is_dir():
-        return f"no snapshot of {ref} (looked in {storage})"
-    tree = storage / "trees" / f"{commit}.json"
+        raise HubError(f"no snapshot of {ref} in {cache}")
     try:
-        listed = json.loads(tree.read_text(encoding="utf-8"))
-        names = list(listed if isinstance(listed, (list, dict)) else [])
-        names = [n if isinstance(n, str) else n.get("path", "") for n in names]
+        patterns = _needed(json.loads((snap / "model_index.json").read_text(encoding="utf-8")))
     except (OSError, ValueError):
-        names = []
-    absent = [n for n in names if n and not (snap / n).exists()]
-    return ", ".join(absent[:8]) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "") if absent else \
-        f"files of snapshot {commit[:12]} in {snap}"
+        raise HubError(f"{snap} has no readable model_index.json") from None
+    absent = [p.removesuffix("/*") for p in patterns[1:] if not (snap / p.removesuffix("/*")).is_dir()]
+    try:
+        listed = json.loads((storage / "trees" / f"{commit}.json").read_text(encoding="utf-8")).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        listed = {}
+    if listed:
+        from huggingface_hub.utils import filter_repo_objects
+
+        wanted = filter_repo_objects(list(listed), allow_patterns=patterns, ignore_patterns=_IGNORE)
+        absent += [f for f in wanted if not (snap / f).exists() and f.split("/")[0] not in absent]
+    if absent:
+        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+        raise HubError(f"{snap} lacks {', '.join(absent[:8])}{more}")
+    return snap
 
 
 def _index(ref: HubRef, cache: Path, token: str | None) -> dict[str, Any]:
@@ -165,6 +198,8 @@ def plan_fetch(ref: HubRef, cache: Path) -> FetchPlan:
     except HubError:
         raise
     except Exception as exc:
+        if _unreachable(exc):
+            raise  # the caller may use the cache
         raise _explain(exc, ref, cache) from None
     plan = FetchPlan(ref, infos[0].commit_hash if infos else ref.revision, patterns=patterns)
     plan.files = sorted((i.filename, int(i.file_size or 0), bool(i.is_cached)) for i in infos)
@@ -215,11 +250,13 @@ def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
     t0 = time.monotonic()
     try:
         if offline:
-            folder = snapshot_download(ref.repo, revision=ref.revision, cache_dir=str(cache), local_files_only=True)
-            index = json.loads((Path(folder) / "model_index.json").read_text(encoding="utf-8"))
-            _check_complete(ref, Path(folder), _needed(index), cache)
+            try:
+                folder = _cached_snapshot(ref, cache)
+            except HubError as exc:
+                raise HubError(f"model.path: {ref} is not complete in the model cache and HF_HUB_OFFLINE=1: {exc}; "
+                               f"run `offload-jobs pull {ref}` where the hub can be reached") from None
             say(f"model {ref}: using the cached snapshot {folder} (HF_HUB_OFFLINE=1)")
-            return Path(folder)
+            return folder
         plan = plan_fetch(ref, cache)
         free = shutil.disk_usage(cache).free
         if plan.to_fetch > free:
@@ -242,20 +279,19 @@ def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
     except HubError:
         raise
     except Exception as exc:
+        if _unreachable(exc):  # no network: the cache, if it holds the whole model
+            try:
+                folder = _cached_snapshot(ref, cache)
+            except HubError:
+                raise _explain(exc, ref, cache) from None
+            say(f"model {ref}: the hub cannot be reached; using the cached snapshot {folder}")
+            return folder
         raise _explain(exc, ref, cache) from None
     seconds = time.monotonic() - t0
     if event is not None:
         event("model_ready", model=str(ref), path=str(folder), fetched_bytes=plan.to_fetch, seconds=round(seconds, 2))
     say(f"model {ref}: ready at {folder} ({plan.to_fetch / 1e6:.1f} MB fetched in {seconds:.1f} s)")
     return Path(folder)
-
-
-def _check_complete(ref: HubRef, folder: Path, patterns: list[str], cache: Path) -> None:
-    """Offline: every component folder model_index.json names is there (a partial pull says which is not)."""
-    absent = [p.removesuffix("/*") for p in patterns[1:] if not (folder / p.removesuffix("/*")).is_dir()]
-    if absent:
-        raise HubError(f"model.path: {ref} in the model cache {cache} lacks {', '.join(absent)} and "
-                       f"HF_HUB_OFFLINE=1; run `offload-jobs pull {ref}` where the hub can be reached")
 
 
 def resolve_model_path(value: str | None, run_dir: str | os.PathLike[str] | None = None) -> str | None:
