@@ -1,0 +1,98 @@
+"""Runtime input errors through the real worker: each ends with one line and a named reason.
+
+    offload.target_device: cuda with a CPU torch      -> no_cuda
+    a model file the job's uid cannot read            -> permission_denied (the file and the uid named)
+    a corrupt model file                              -> setup_failed
+None of them leaves only a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobs_helpers import REPO, WorkerProcess
+from runner_helpers import log, train_spec
+
+NOBODY = 65534
+
+
+def _one_line_with(job: dict, reason: str, *words: str) -> None:
+    msg = job.get("message") or ""
+    assert (job["status"], job["reason"]) == ("FAILED", reason), (job["reason"], msg, log(job)[-2000:])
+    assert msg and "\n" not in msg.strip() and "Traceback" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    assert "Traceback" not in log(job), log(job)[-2000:]
+    assert f"[offload-jobs] {reason}: " in log(job)  # the same line, in the job's log
+
+
+class NoDacWorker(WorkerProcess):
+    """The worker (and its jobs) as root without the capabilities that let root read any file
+    (dac_override, dac_read_search): a file another uid owns with mode 0600 is then unreadable to
+    it, as a container's worker under its own uid finds a host file written 0600."""
+
+    def start(self, timeout: float = 60.0, wait: bool = True) -> "NoDacWorker":
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_JOBS_")}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        drop = "-dac_override,-dac_read_search"
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(
+                ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m", "jobs.worker",
+                 "--port", str(self.port), "--home", str(self.home), "--log-level", "warning"],
+                stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        return self.wait_healthy(timeout) if wait else self
+
+
+def test_target_cuda_on_a_cpu_torch_is_no_cuda(worker_factory, tiny: dict[str, Path]) -> None:
+    # a worker that says it has a GPU (declared) while its torch is a CPU build: the job finds out
+    w = worker_factory("--gpus", "1")
+    spec = train_spec(tiny, "flux", steps=2)
+    spec["offload"]["target_device"] = "cuda"
+    spec["resources"] = {"gpus": 1}
+    with w.client() as c:
+        job = c.wait(c.submit(spec)["id"], timeout=180)
+    _one_line_with(job, "no_cuda", "offload.target_device: cuda", "install a CUDA build of torch")
+
+
+def test_a_corrupt_model_file_is_setup_failed(client, tiny: dict[str, Path], tmp_path: Path) -> None:
+    model = tmp_path / "flux"
+    shutil.copytree(tiny["flux"], model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated mid-header
+    spec = train_spec(tiny, "flux", steps=2)
+    spec["model"]["path"] = str(model)
+    job = client.wait(client.submit(spec)["id"], timeout=180)
+    _one_line_with(job, "setup_failed")
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX permissions")
+def test_a_model_file_the_uid_cannot_read_is_permission_denied(worker_factory, tiny: dict[str, Path],
+                                                                tmp_path: Path) -> None:
+    model = tmp_path / "flux"
+    shutil.copytree(tiny["flux"], model)
+    for p in [model, *model.rglob("*")]:  # the builder makes every file readable by all (issue 28)
+        assert stat.S_IMODE(p.stat().st_mode) & 0o004, f"{p} is not world-readable"
+    locked = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    os.chmod(locked, 0o600)  # what make_tiny_pipelines wrote before issue 28, owned by another uid
+    spec = train_spec(tiny, "flux", steps=2)
+    spec["model"]["path"] = str(model)
+    if os.getuid() == 0:  # root reads anything: take that power away from the worker
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv")
+        os.chown(locked, NOBODY, NOBODY)
+        w = NoDacWorker(tmp_path / "home").start()
+    else:
+        w = worker_factory()
+    try:
+        with w.client() as c:
+            job = c.wait(c.submit(spec)["id"], timeout=180)
+    finally:
+        w.stop()
+    _one_line_with(job, "permission_denied", str(locked), f"uid {os.getuid()}")
