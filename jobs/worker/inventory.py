@@ -28,7 +28,7 @@ from jobs.errors import JobsError
 from jobs.home import write_private
 
 __all__ = ["Gpu", "WorkerIdentity", "worker_id_for", "detect_gpus", "gpu_usage", "parse_vram_list", "boot_id",
-           "slurm_available", "torch_cuda_build", "nvidia_smi_gpus", "torch_gpu_mismatch"]
+           "slurm_available", "docker_available", "torch_cuda_build", "nvidia_smi_gpus", "torch_gpu_mismatch"]
 
 ID_FILE = "worker_id"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -189,6 +189,21 @@ def slurm_available() -> bool:
     if os.environ.get("OFFLOAD_JOBS_SLURM", "").strip() == "0":
         return False
     return all(shutil.which(c) for c in ("sbatch", "squeue", "scancel", "scontrol"))
+
+
+def docker_available() -> bool:
+    """A Docker daemon's socket is here (or DOCKER_HOST names one) and the Docker SDK is installed.
+
+    Checked without a round trip, at start: `workers` lists `docker` only where it could run."""
+    if os.environ.get("OFFLOAD_JOBS_DOCKER", "").strip() == "0":
+        return False
+    if importlib.util.find_spec("docker") is None:
+        return False
+    if os.environ.get("DOCKER_HOST", "").strip():
+        return True
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    sockets = ["/var/run/docker.sock", *([os.path.join(runtime, "docker.sock")] if runtime else [])]
+    return any(os.path.exists(s) for s in sockets)
 
 
 def torch_cuda_build() -> str | None:

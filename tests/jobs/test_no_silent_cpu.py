@@ -98,3 +98,18 @@ def test_a_gpu_torch_cannot_use_is_said_at_start_and_in_workers(tmp_path: Path) 
     finally:
         w.stop()
     assert "nvidia-smi sees 1 GPU(s) but this worker's torch is a CPU build" in w.log.read_text()
+
+
+def test_workers_lists_docker_only_where_it_can_run(tmp_path: Path) -> None:
+    from jobs_helpers import WorkerProcess
+
+    seen = {}
+    for name, env in (("none", {"OFFLOAD_JOBS_DOCKER": "0", "DOCKER_HOST": ""}),
+                      ("daemon", {"DOCKER_HOST": "unix:///run/elsewhere/docker.sock"})):
+        w = WorkerProcess(tmp_path / name, env={**CPU_ONLY, **env}).start()
+        try:
+            seen[name] = json.loads(_cli(w, "workers", "--json").stdout)[0]["executors"]
+        finally:
+            w.stop()
+    assert "docker" not in seen["none"] and seen["none"][0] == "process"
+    assert "docker" in seen["daemon"]
