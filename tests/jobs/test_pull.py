@@ -117,3 +117,14 @@ def test_no_network_uses_the_cache_or_says_what_is_missing(hub: HubStandIn, tmp_
     res = _pull(tmp_path, hub, "some-org/tiny-flux", HF_ENDPOINT=dead)
     assert res.returncode == 0, res.stderr
     assert "using the cached snapshot" in res.stdout
+
+
+def test_what_reads_as_a_hub_id(tmp_path: Path) -> None:
+    from jobs.hub import HubRef, parse_hub_id
+
+    assert parse_hub_id("black-forest-labs/FLUX.1-dev") == HubRef("black-forest-labs/FLUX.1-dev", "main")
+    assert parse_hub_id("some-org/tiny-flux@v1.0") == HubRef("some-org/tiny-flux", "v1.0")
+    for local in ("/models/flux", "./flux", "~/flux", "../models/flux", "flux", "a/b/c", "org/model.safetensors"):
+        assert parse_hub_id(local) is None, local
+    (tmp_path / "some-org" / "tiny-flux").mkdir(parents=True)  # a folder by that name wins
+    assert parse_hub_id("some-org/tiny-flux", tmp_path) is None
