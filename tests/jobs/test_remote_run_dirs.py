@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobs_helpers import REPO, WorkerProcess
+from jobs_helpers import WorkerProcess
 
 WRITE = ('mkdir -p "$OFFLOAD_JOBS_OUTPUTS/samples" && printf "lora-bytes-123" > "$OFFLOAD_JOBS_OUTPUTS/lora.safetensors"'
          ' && printf "png" > "$OFFLOAD_JOBS_OUTPUTS/samples/step-1.png"')
