@@ -288,6 +288,14 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                     raise SpecError("resources.gpus", f"asks for {spec.resources.gpus} GPU(s), but {why}")
                 if str(spec.offload.target_device or "").startswith("cuda"):
                     raise SpecError("offload.target_device", f"is {spec.offload.target_device}, but {why}")
+            wants_gpu = bool(spec.resources.gpus) or str(spec.offload.target_device or "").startswith("cuda")
+            if not slurm_job and gpus and wants_gpu and spec.kind in ("train", "infer"):
+                from jobs.worker.inventory import torch_cuda_build, torch_installed
+
+                if torch_installed() and torch_cuda_build() is None:  # GPUs that this torch cannot use
+                    field = "resources.gpus" if spec.resources.gpus else "offload.target_device"
+                    raise SpecError(field, "asks for a GPU, but this worker's torch is a CPU build: install the "
+                                           "CUDA build of torch on the worker (scripts/quickstart.sh does)")
             if not slurm_job and spec.gpus > sched.gpu_slots:
                 raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
             why = _fit_error(spec, [g.memory_total for g in gpus], "this worker")

@@ -28,7 +28,7 @@ from jobs.errors import JobsError
 from jobs.home import write_private
 
 __all__ = ["Gpu", "WorkerIdentity", "worker_id_for", "detect_gpus", "gpu_usage", "parse_vram_list", "boot_id",
-           "slurm_available", "docker_available", "torch_cuda_build", "nvidia_smi_gpus", "torch_gpu_mismatch"]
+           "slurm_available", "docker_available", "torch_installed", "torch_cuda_build", "nvidia_smi_gpus", "torch_gpu_mismatch"]
 
 ID_FILE = "worker_id"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -206,6 +206,13 @@ def docker_available() -> bool:
     return any(os.path.exists(s) for s in sockets)
 
 
+def torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def torch_cuda_build() -> str | None:
     """The CUDA version torch was built for ("12.8"), None for a CPU build or no torch.
 
@@ -242,7 +249,7 @@ def nvidia_smi_gpus() -> int:
 
 def torch_gpu_mismatch() -> str | None:
     """A line when the driver sees GPUs but torch here is a CPU build (GPU jobs would fail or crawl)."""
-    if torch_cuda_build() is not None or importlib.util.find_spec("torch") is None:
+    if torch_cuda_build() is not None or not torch_installed():
         return None
     seen = nvidia_smi_gpus()
     if not seen:

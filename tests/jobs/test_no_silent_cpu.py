@@ -113,3 +113,22 @@ def test_workers_lists_docker_only_where_it_can_run(tmp_path: Path) -> None:
             w.stop()
     assert "docker" not in seen["none"] and seen["none"][0] == "process"
     assert "docker" in seen["daemon"]
+
+
+def test_a_gpu_job_on_gpus_a_cpu_torch_cannot_use_is_refused_at_submit(tmp_path: Path) -> None:
+    from jobs_helpers import WorkerProcess
+
+    base = _model(tmp_path)
+    w = WorkerProcess(tmp_path / "home", "--gpus", "1", env={"OFFLOAD_JOBS_TORCH_CUDA": ""}).start()
+    try:
+        spec = {"kind": "train", "model": {"path": str(base / "flux")}, "train": {"dataset": str(base / "data")}}
+        with w.client() as c:
+            for extra, field in (({"resources": {"gpus": 1}}, "resources.gpus"),
+                                 ({"offload": {"target_device": "cuda:0"}}, "offload.target_device")):
+                with pytest.raises(SpecError) as e:
+                    c.submit({**spec, **extra})
+                assert e.value.field == field and "torch is a CPU build" in str(e.value)
+            # on the CPU, on purpose: fine
+            c.submit({**spec, "resources": {"gpus": 0}, "offload": {"target_device": "cpu"}})
+    finally:
+        w.stop()

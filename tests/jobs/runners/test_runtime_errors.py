@@ -29,14 +29,25 @@ def _one_line_with(job: dict, reason: str, *words: str) -> None:
     assert f"[offload-jobs] {reason}: " in log(job)  # the same line, in the job's log
 
 
-def test_target_cuda_on_a_cpu_torch_is_no_cuda(worker_factory, tiny: dict[str, Path]) -> None:
-    # a worker that says it has a GPU (declared) while its torch is a CPU build: the job finds out
-    w = worker_factory("--gpus", "1")
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda(), reason="torch here can use CUDA: there is no no_cuda to provoke")
+def test_target_cuda_on_a_cpu_torch_is_no_cuda(tiny: dict[str, Path], tmp_path: Path) -> None:
+    # a worker that has a GPU (declared) and believes its torch a CUDA build (a driver too old for it,
+    # say) while torch cannot use CUDA: the job finds out, and says so in one line
+    w = WorkerProcess(tmp_path / "home", "--gpus", "1", env={"OFFLOAD_JOBS_TORCH_CUDA": "12.8"}).start()
     spec = train_spec(tiny, "flux", steps=2)
     spec["offload"]["target_device"] = "cuda"
     spec["resources"] = {"gpus": 1}
-    with w.client() as c:
-        job = c.wait(c.submit(spec)["id"], timeout=180)
+    try:
+        with w.client() as c:
+            job = c.wait(c.submit(spec)["id"], timeout=180)
+    finally:
+        w.stop()
     _one_line_with(job, "no_cuda", "offload.target_device: cuda", "install a CUDA build of torch")
 
 
