@@ -70,6 +70,7 @@ COPY --from=deps /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
     OFFLOAD_JOBS_HOME=/state \
+    OFFLOAD_JOBS_MODEL_CACHE=/models \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
     TORCH_HOME=/cache/torch \

@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 from jobs._cli import cancel, delete, init, logs, prune, ps, report, retry, schema, shard, show, submit, tui, validate, worker
 from jobs._cli import outputs, signal  # issue 15: train/infer runners
 from jobs._cli import workers  # issue 13: workers on a shared store
+from jobs._cli import pull  # issue 28: models from the hub
 from jobs._cli.lazy_coercion import defer_coercion
 from jobs._cli.output import error_line
 from jobs.errors import JobsError
@@ -104,6 +105,7 @@ app.command("validate", rich_help_panel=_SPEC)(validate.validate)
 app.command("init", rich_help_panel=_SPEC)(init.init)
 app.command("schema", rich_help_panel=_SPEC)(schema.schema)
 app.command("shard", rich_help_panel=_SPEC)(shard.shard)
+app.command("pull", rich_help_panel=_SPEC)(pull.pull)
 app.command("worker", rich_help_panel=_WORKER)(worker.worker)
 app.command("up", rich_help_panel=_WORKER)(worker.up)
 app.command("down", rich_help_panel=_WORKER)(worker.down)

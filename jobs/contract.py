@@ -60,6 +60,8 @@ class Reason(StrEnum):
     WORKER_LOST = "worker_lost"  # the worker died and the attempt could not be recovered
     KILLED = "killed"  # a SIGKILL that neither the worker nor the OOM killer sent
     NONFINITE_LOSS = "nonfinite_loss"  # the train runner's guard stopped a diverging run
+    NO_CUDA = "no_cuda"  # the job asked for a CUDA device that the worker's torch cannot use (a CPU build)
+    PERMISSION_DENIED = "permission_denied"  # a model or data file the job's uid cannot read (file and uid named)
 
 
 class Kind(StrEnum):

@@ -6,6 +6,8 @@
         worker.json    {"url", "pid", "host", "port", "started_at"} of the running worker
         jobs.db        the SQLite store (WAL)
         runs/<id>/     one run dir per job
+        models/        models fetched from the hub (the worker's model cache; $OFFLOAD_JOBS_MODEL_CACHE,
+                       /models in the container)
 
 The state dir is 0700 and every file in it 0600: specs carry `env:` secrets (HF_TOKEN, ...).
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_URL", "state_home", "read_token", "ensure_token", "read_worker_info",
-           "secure_home", "write_private"]
+           "secure_home", "write_private", "model_cache"]
 
 DEFAULT_PORT = 8765
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -33,6 +35,12 @@ def state_home(home: str | os.PathLike[str] | None = None) -> Path:
         return Path(home).expanduser()
     env = os.environ.get("OFFLOAD_JOBS_HOME")
     return Path(env).expanduser() if env else Path.home() / ".offload-jobs"
+
+
+def model_cache(home: Path) -> Path:
+    """Where hub models are kept: $OFFLOAD_JOBS_MODEL_CACHE (the container sets /models), else the state dir's."""
+    env = os.environ.get("OFFLOAD_JOBS_MODEL_CACHE")
+    return Path(env).expanduser() if env else home / "models"
 
 
 def read_token(home: Path) -> str | None:

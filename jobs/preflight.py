@@ -4,6 +4,8 @@ A spec can be valid and still unable to run here: a model folder that is not on 
 workdir that was never made, an image dockerd does not have. Those fail at submit (and in
 `offload-jobs validate --strict`) with the field named, not minutes later as setup_failed.
 Paths of `executor: docker` jobs live inside the container, so only the image is checked there.
+A `model.path` that is a hub id (`org/name[@rev]`, not on disk) is fetched by the job; a local one
+must be a diffusers folder of a family we run (a single-file checkpoint is refused here).
 """
 
 from __future__ import annotations
@@ -45,12 +47,35 @@ def spec_paths(spec: JobSpec) -> list[tuple[str, str, str]]:
         if spec.kind not in kinds:
             continue
         value = _get(spec, field)
+        if field == "model.path" and _hub_id(value, base):
+            continue  # fetched from the hub by the job
         if isinstance(value, str) and value:
             path = os.path.expanduser(value)
             if field != "workdir" and base and not os.path.isabs(path):
                 path = os.path.normpath(os.path.join(base, path))
             out.append((field, path, what))
     return out
+
+
+def _hub_id(value: Any, base: str | None) -> bool:
+    from jobs.hub import parse_hub_id
+
+    return isinstance(value, str) and parse_hub_id(value, base if base and not os.path.isabs(value) else None) is not None
+
+
+def model_layout_error(path: str) -> str | None:
+    """Why `path` (which exists) is not a diffusers folder of a family we run; None when it is."""
+    from jobs.runners.folders import FamilyError, detect_family  # stdlib only: json and struct
+
+    if os.path.isfile(path):
+        kind = "a single-file checkpoint" if path.endswith((".safetensors", ".ckpt", ".pt", ".bin", ".gguf")) else "a file"
+        return (f"{path} is {kind}; a diffusers model folder (model_index.json, transformer/, vae/, ...) "
+                "or a hub id (org/name) is expected")
+    try:
+        detect_family(path)
+    except FamilyError as exc:
+        return str(exc).removeprefix("model.path: ")
+    return None
 
 
 def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) -> None:
@@ -76,3 +101,8 @@ def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) 
             raise SpecError(field, f"{path} {why} on the worker")
         if what == "any" and not os.path.exists(path):
             raise SpecError(field, f"{path} does not exist on the worker")
+    for field, path, _ in spec_paths(spec):  # every path is there: is the model one we can load?
+        if field == "model.path":
+            why = model_layout_error(path)
+            if why:
+                raise SpecError(field, why)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -277,6 +278,14 @@ def build_clips(out: Path, count: int = 3, frames: int = 5) -> None:
         (out / f"clip_{i:02d}.txt").write_text(f"a {color} {shape} on a {bg} background\n", encoding="utf-8")
 
 
+def readable_by_all(root: Path) -> None:
+    """Files 0644, folders 0755: safetensors writes 0600, which a worker under another uid (the
+    container's) cannot read."""
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
 def build_all(root: Path, families: list[str] | tuple[str, ...] = FAMILIES, force: bool = False) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     made: dict[str, Path] = {}
@@ -288,6 +297,7 @@ def build_all(root: Path, families: list[str] | tuple[str, ...] = FAMILIES, forc
             tmp = root / f".{fam}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             BUILDERS[fam](tmp)
+            readable_by_all(tmp)
             tmp.rename(dst)
         made[fam] = dst
     data = root / "data"

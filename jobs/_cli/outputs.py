@@ -2,11 +2,13 @@
 
 Also `run_state(job)`, the train/infer summary `show` prints: the last samples and the checkpoints.
 Both read the run dir from this machine's disk (a local worker, or a docker worker's state volume
-mounted at the same path).
+mounted at the same path). Where the run dir is not here (a worker in a container, on another
+host; or OFFLOAD_JOBS_RUN_DIRS=remote), `outputs` lists and downloads the files through the API.
 """
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 from pathlib import Path
@@ -21,15 +23,22 @@ from jobs.rundir import RunDir
 __all__ = ["outputs", "run_state", "list_outputs"]
 
 
-def _run_dir(job: dict[str, Any]) -> Path:
+REMOTE_ENV = "OFFLOAD_JOBS_RUN_DIRS"  # "remote": never read run dirs from this disk, even if a path matches
+
+
+def _local_run_dir(job: dict[str, Any]) -> Path | None:
+    """The job's run dir when it is on this machine, None when only the worker has it."""
     rd = job.get("run_dir")
     if not rd:
         raise CliError(f"job {job.get('id')} has no run dir yet")
-    path = Path(rd)
-    if not path.is_dir():
-        raise CliError(f"job {job.get('id')}: its run dir {path} is not on this machine "
-                       "(run this where the worker runs, or mount its state dir at the same path)")
-    return path
+    if os.environ.get(REMOTE_ENV, "").strip().lower() == "remote":
+        return None
+    return Path(rd) if Path(rd).is_dir() else None
+
+
+def _remote_files(client: Any, job_id: str) -> list[dict[str, Any]]:
+    return [{"path": f["path"], "bytes": f.get("size", 0), "modified": f.get("mtime", 0.0)}
+            for f in client.outputs(job_id) if not Path(f["path"]).name.startswith(".")]
 
 
 def list_outputs(run_dir: Path) -> list[dict[str, Any]]:
@@ -99,9 +108,11 @@ def outputs(
     """List the files a job wrote to its outputs/ folder (LoRA, samples, images), or copy them."""
     from jobs._cli.connect import connect, resolve_job
 
-    data = resolve_job(connect(), job)
-    run_dir = _run_dir(data)
-    files = list_outputs(run_dir)
+    client = connect()
+    data = resolve_job(client, job)
+    local = _local_run_dir(data)
+    run_dir = local or Path(data["run_dir"])
+    files = list_outputs(local) if local is not None else _remote_files(client, data["id"])
     copied: list[str] = []
     if copy is not None:
         dest = copy.expanduser()
@@ -110,13 +121,21 @@ def outputs(
         for f in files:
             target = dest / f["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:  # the run dir's safe reader: a file swapped for a FIFO or link since the listing is refused
-                RunDir(run_dir).copy_file(f"outputs/{f['path']}", target)
-            except RunDirError as exc:
-                raise CliError(str(exc)) from None
+            if local is not None:
+                try:  # the run dir's safe reader: a file swapped for a FIFO or link since the listing is refused
+                    RunDir(run_dir).copy_file(f"outputs/{f['path']}", target)
+                except RunDirError as exc:
+                    raise CliError(str(exc)) from None
+            else:  # downloaded from the worker (its run dir is not on this machine)
+                tmp = target.with_name(f".{target.name}.part")
+                tmp.write_bytes(client.output_file(data["id"], f["path"]))
+                os.replace(tmp, target)
+                if f.get("modified"):
+                    os.utime(target, (f["modified"], f["modified"]))
             copied.append(str(target))
     if json_out:
         print_json({"id": data["id"], "outputs_dir": str(run_dir / "outputs"), "files": files,
+                    "on_this_machine": local is not None,
                     **({"copied_to": str(copy.expanduser()), "copied": len(copied)} if copy is not None else {})})
         return
     if not files:
@@ -134,7 +153,7 @@ def outputs(
     for f in files:
         table.add_row(escape(f["path"]), _size(f["bytes"]), fmt_duration(max(0.0, time.time() - f["modified"])) + " ago")
     console().print(table)
-    typer.echo(f"in {run_dir / 'outputs'}")
+    typer.echo(f"in {run_dir / 'outputs'}" + ("" if local is not None else " on the worker (--copy DIR downloads them)"))
 
 
 def _size(n: int) -> str:

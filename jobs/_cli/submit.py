@@ -64,6 +64,10 @@ def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[st
         client = connect()
         job = client.submit(data)
     except SpecError as exc:
+        from jobs._cli.validate import add_container_hint  # a host path sent to a worker in a container
+        from jobs.home import state_home
+
+        add_container_hint(exc, data, state_home())
         raise with_origin(exc, str(file), node, sets) from None
     except WorkerUnreachable:
         read_spec(file, sets)  # a bad spec is the first thing to fix

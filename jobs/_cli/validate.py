@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -22,6 +22,7 @@ def validate(
     """Validate a job spec: prints "ok" (exit 0) or the offending field (exit 2)."""
     from jobs._cli.specfile import read_spec
     from jobs.errors import JobsError, SpecError
+    from jobs.home import state_home
 
     try:
         spec = read_spec(file, sets)
@@ -34,6 +35,7 @@ def validate(
             except SpecError as exc:
                 from jobs._cli.specfile import read_spec_data
 
+                add_container_hint(exc, spec.model_dump(mode="json", exclude_unset=True), state_home())
                 raise with_origin(exc, str(file), read_spec_data(file, sets)[1], sets) from None
     except JobsError as exc:
         if not json_out:
@@ -44,7 +46,6 @@ def validate(
         typer.echo(error_line(exc), err=True)
         raise typer.Exit(2) from None
     from jobs._cli.compose import mount_warnings  # a worker in a container sees only its mounts
-    from jobs.home import state_home
 
     warnings = mount_warnings(spec, state_home())
     for line in warnings:
@@ -54,3 +55,46 @@ def validate(
                     "spec": spec.model_dump(mode="json"), "warnings": warnings})
     else:
         typer.echo("ok")
+
+
+_PATH_FIELDS = ("workdir", "model.path", "train.dataset", "shard.src", "shard.dst", "offload.shard_dir")
+
+
+def container_hint(data: dict[str, Any], field: str | None, home: Path) -> str | None:
+    """When the worker `up` started runs in a container and `field` names a path it cannot see: the
+    `--set` that points at the container's copy (`workdir=/app/examples` for an example), or where to
+    put the file. None otherwise."""
+    from jobs.home import read_worker_info
+
+    info = (read_worker_info(home) or {}).get("compose")
+    if field not in _PATH_FIELDS or not isinstance(info, dict) or not info.get("mounts"):
+        return None
+    value: Any = data
+    for part in field.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if not isinstance(value, str) or not value:
+        return None
+    path = Path(value).expanduser()
+    workdir = data.get("workdir")
+    if not path.is_absolute() and isinstance(workdir, str) and workdir:
+        path = Path(workdir) / path
+    pairs = [(Path(m["source"]), str(m["target"])) for m in info["mounts"]]
+    pairs += [(Path(src), str(dst)) for src, dst in (info.get("image_paths") or {}).items()]
+    for src, dst in pairs:
+        try:
+            rel = path.resolve().relative_to(src.resolve())
+        except ValueError:
+            continue
+        where = Path(dst) / rel
+        return f"the worker runs in a container, where this is {where}: --set {field}={where}"
+    seen = ", ".join(str(t) for _, t in pairs)
+    return (f"the worker runs in a container that sees only {seen}: put it under {pairs[0][0]} "
+            f"and --set {field}= the container's path")
+
+
+def add_container_hint(exc: Any, data: dict[str, Any], home: Path) -> None:
+    """Append `container_hint` to a path error from the worker (the spec named a host path)."""
+    hint = container_hint(data, getattr(exc, "field", None), home)
+    if hint and ("does not exist on the worker" in str(exc) or "is not a directory" in str(exc)):
+        exc.message += f"; {hint}"
+        exc.args = (str(exc),)

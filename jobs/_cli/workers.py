@@ -18,7 +18,8 @@ def _gpus(w: dict[str, Any]) -> str:
     busy = sum(1 for g in gpus if g.get("job_id"))
     sizes = sorted({g.get("memory_total") or 0 for g in gpus})
     size = "/".join(f"{s / 2**30:.0f}G" if s else "?" for s in sizes)
-    return f"{len(gpus)}x{size} ({busy} busy)"
+    cpu_torch = " torch sees none: a CPU build" if any(g.get("torch") == "no CUDA" for g in gpus) else ""
+    return f"{len(gpus)}x{size} ({busy} busy){cpu_torch}"
 
 
 def workers_text_table(ws: list[dict[str, Any]], this: str | None = None) -> str:

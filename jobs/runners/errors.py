@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 from jobs.contract import Reason
 
-__all__ = ["NonFiniteLoss", "classify_exception", "reporting_failures"]
+__all__ = ["NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
+
+
+class NoCuda(RuntimeError):
+    """The job asks for a CUDA device that this process's torch cannot use (reason no_cuda)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -23,8 +28,18 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     from jobs.runners.folders import FamilyError, LoraError, SetupError
     from jobs.runners.prompts import PromptError
 
-    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError)):
+    from jobs.hub import HubError
+
+    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError, HubError)):
         return Reason.SETUP_FAILED, str(exc), 2
+    if isinstance(exc, NoCuda):
+        return Reason.NO_CUDA, str(exc), 2
+    if isinstance(exc, PermissionError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return Reason.PERMISSION_DENIED, f"cannot read{where}: permission denied to uid {os.getuid()} (gid {os.getgid()})", 2
+    found = _input_file_error(exc)
+    if found is not None:
+        return Reason.SETUP_FAILED, found, 2
     if isinstance(exc, NonFiniteLoss):
         return Reason.NONFINITE_LOSS, str(exc), 1
     core = sys.modules.get("offload_core.errors")  # loaded only if the engine was
@@ -35,6 +50,16 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
         return Reason.CUDA_OOM, f"out of GPU memory: {str(exc).splitlines()[0]}", 1
     if isinstance(exc, MemoryError):
         return Reason.HOST_OOM, f"out of host memory: {exc}", 1
+    return None
+
+
+def _input_file_error(exc: BaseException) -> str | None:
+    """One line for a model or data file that is missing or corrupt (a safetensors header, say)."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or type(exc).__name__}"
+    if type(exc).__name__ == "SafetensorError" or (isinstance(exc, OSError) and "safetensors" in str(exc).lower()):
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"a model file cannot be read: {first[:300]}"
     return None
 
 

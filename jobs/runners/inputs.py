@@ -8,6 +8,7 @@ with reason setup_failed and a line naming the file or field.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,10 @@ class Checked:
 
 
 def _model(spec: JobSpec) -> tuple[str, Path]:
-    model_dir = Path(spec.model.path or "").expanduser().resolve()  # relative paths: from the job's workdir
+    from jobs.hub import resolve_model_path
+
+    path = resolve_model_path(spec.model.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"))  # a hub id: fetched here
+    model_dir = Path(path or "").expanduser().resolve()  # relative paths: from the job's workdir
     return detect_family(model_dir, spec.model.family), model_dir
 
 

@@ -34,7 +34,14 @@ VRAM_CAP_ENV = "OFFLOAD_JOBS_VRAM_CAP"
 
 def resolve_device(target: str | None) -> torch.device:
     if target:
-        return torch.device(target)
+        device = torch.device(target)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            from jobs.runners.errors import NoCuda
+
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else " (a CPU build)")
+            raise NoCuda(f"offload.target_device: {target} asked for, but {build} sees no CUDA device on this "
+                         "worker; install a CUDA build of torch or set offload.target_device: cpu")
+        return device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

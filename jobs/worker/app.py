@@ -95,7 +95,10 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
     slurm = slurm_available()
     if max_slurm_jobs is None:
         max_slurm_jobs = int(os.environ.get("OFFLOAD_JOBS_MAX_SLURM_JOBS", "64")) if slurm else 0
-    executors = ["process", "docker"] + (["slurm"] if slurm and max_slurm_jobs > 0 else [])
+    from jobs.worker.inventory import docker_available  # issue 28: docker listed only where it can run
+
+    executors = (["process"] + (["docker"] if docker_available() else [])
+                 + (["slurm"] if slurm and max_slurm_jobs > 0 else []))
     ident = WorkerIdentity(worker_id_for(home, worker_id), socket.gethostname(), boot_id())
     timeout = heartbeat_timeout or float(os.environ.get("OFFLOAD_JOBS_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT)
     state: dict[str, Any] = {"url": public_url}

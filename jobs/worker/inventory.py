@@ -12,8 +12,11 @@ says how many there are.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import re
+import subprocess
 import secrets
 import shutil
 import socket
@@ -25,7 +28,7 @@ from jobs.errors import JobsError
 from jobs.home import write_private
 
 __all__ = ["Gpu", "WorkerIdentity", "worker_id_for", "detect_gpus", "gpu_usage", "parse_vram_list", "boot_id",
-           "slurm_available"]
+           "slurm_available", "docker_available", "torch_installed", "torch_cuda_build", "nvidia_smi_gpus", "torch_gpu_mismatch"]
 
 ID_FILE = "worker_id"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -97,7 +100,12 @@ def parse_vram_list(text: str) -> list[int]:
 
 
 def detect_gpus(count: int | None = None, vram: list[int] | None = None) -> list[Gpu]:
-    """This worker's GPUs: declared (`vram`: one size each), counted (`count`), else NVML's."""
+    """This worker's GPUs: declared (`vram`: one size each), counted (`count`), else NVML's.
+
+    Says at start (a warning in the worker's log) when the driver sees GPUs that torch cannot use."""
+    mismatch = torch_gpu_mismatch()
+    if mismatch:
+        logging.getLogger("offload_jobs.worker").warning(mismatch)
     if vram:
         return [Gpu(i, "GPU (declared)", v) for i, v in enumerate(vram)]
     nvml = _nvml_gpus()
@@ -145,8 +153,13 @@ def _nvml_gpus() -> list[Gpu]:
 
 
 def gpu_usage(gpus: list[Gpu]) -> list[dict[str, Any]]:
-    """Each GPU with its memory in use and utilization now (NVML), for /v1/workers."""
+    """Each GPU with its memory in use and utilization now (NVML), for /v1/workers.
+
+    A GPU torch cannot use (a CPU build of torch) carries `torch: "no CUDA"` for `offload-jobs workers`."""
     out = [g.as_dict() for g in gpus]
+    if gpus and torch_cuda_build() is None:
+        for d in out:
+            d["torch"] = "no CUDA"
     if not any(g.uuid for g in gpus):
         return out
     try:
@@ -176,3 +189,70 @@ def slurm_available() -> bool:
     if os.environ.get("OFFLOAD_JOBS_SLURM", "").strip() == "0":
         return False
     return all(shutil.which(c) for c in ("sbatch", "squeue", "scancel", "scontrol"))
+
+
+def docker_available() -> bool:
+    """A Docker daemon's socket is here (or DOCKER_HOST names one) and the Docker SDK is installed.
+
+    Checked without a round trip, at start: `workers` lists `docker` only where it could run."""
+    if os.environ.get("OFFLOAD_JOBS_DOCKER", "").strip() == "0":
+        return False
+    if importlib.util.find_spec("docker") is None:
+        return False
+    if os.environ.get("DOCKER_HOST", "").strip():
+        return True
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    sockets = ["/var/run/docker.sock", *([os.path.join(runtime, "docker.sock")] if runtime else [])]
+    return any(os.path.exists(s) for s in sockets)
+
+
+def torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def torch_cuda_build() -> str | None:
+    """The CUDA version torch was built for ("12.8"), None for a CPU build or no torch.
+
+    Read from torch/version.py without importing torch: the worker never imports it."""
+    env = os.environ.get("OFFLOAD_JOBS_TORCH_CUDA")  # tests stand in for a build they do not have
+    if env is not None:
+        return env.strip() or None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    try:
+        text = version.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return m.group(1) if m else None
+
+
+def nvidia_smi_gpus() -> int:
+    """GPUs `nvidia-smi -L` lists (0 without the tool or a driver)."""
+    exe = shutil.which(os.environ.get("OFFLOAD_JOBS_NVIDIA_SMI", "nvidia-smi"))
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def torch_gpu_mismatch() -> str | None:
+    """A line when the driver sees GPUs but torch here is a CPU build (GPU jobs would fail or crawl)."""
+    if torch_cuda_build() is not None or not torch_installed():
+        return None
+    seen = nvidia_smi_gpus()
+    if not seen:
+        return None
+    return (f"nvidia-smi sees {seen} GPU(s) but this worker's torch is a CPU build: GPU jobs cannot use them; "
+            "install the CUDA build of torch (scripts/quickstart.sh does) and restart the worker")

@@ -21,6 +21,7 @@ def test_relative_paths_are_checked_under_the_workdir(tmp_path: Path, monkeypatc
     work = tmp_path / "examples"
     (work / "data" / "images").mkdir(parents=True)
     (tmp_path / "models" / "flux").mkdir(parents=True)
+    (tmp_path / "models" / "flux" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the worker's own cwd is not where the job runs

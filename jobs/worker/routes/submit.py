@@ -87,6 +87,22 @@ def check_fits(ctx: WorkerContext, spec: JobSpec) -> None:
         if slurm_job and "slurm" not in executors:
             raise SpecError("executor", "this worker cannot run executor: slurm (Slurm's sbatch, squeue, "
                                         "scancel and scontrol are not on its PATH)")
+        if not slurm_job and not gpus and spec.kind in ("train", "infer"):
+            # no silent CPU run: the scheduler keeps one "GPU" slot on a CPU-only worker, for defaults
+            why = "this worker has no GPU (its jobs run on the CPU); set resources.gpus: 0 and " \
+                  "offload.target_device: cpu, or submit to a worker with a GPU"
+            if spec.resources.gpus:
+                raise SpecError("resources.gpus", f"asks for {spec.resources.gpus} GPU(s), but {why}")
+            if str(spec.offload.target_device or "").startswith("cuda"):
+                raise SpecError("offload.target_device", f"is {spec.offload.target_device}, but {why}")
+        wants_gpu = bool(spec.resources.gpus) or str(spec.offload.target_device or "").startswith("cuda")
+        if not slurm_job and gpus and wants_gpu and spec.kind in ("train", "infer"):
+            from jobs.worker.inventory import torch_cuda_build, torch_installed
+
+            if torch_installed() and torch_cuda_build() is None:  # GPUs that this torch cannot use
+                field = "resources.gpus" if spec.resources.gpus else "offload.target_device"
+                raise SpecError(field, "asks for a GPU, but this worker's torch is a CPU build: install the "
+                                       "CUDA build of torch on the worker (scripts/quickstart.sh does)")
         if not slurm_job and spec.gpus > sched.gpu_slots:
             raise SpecError("resources.gpus", f"asks for {spec.gpus} GPUs; this worker has {sched.gpu_slots}")
         why = _fit_error(spec, [g.memory_total for g in gpus], "this worker")
