@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from jobs.contract import Reason
+
 __all__ = ["HubRef", "HubError", "parse_hub_id", "hub_token", "fetch_model", "plan_fetch", "FetchPlan",
            "TOKEN_ENV", "TOKEN_FILE_ENV"]
 
@@ -38,7 +40,7 @@ _IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*
 class HubError(Exception):
     """A hub model that cannot be had: gated without a token, not found, offline and not cached."""
 
-    reason = "setup_failed"
+    reason = Reason.SETUP_FAILED
 
 
 @dataclass(frozen=True)

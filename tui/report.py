@@ -82,7 +82,7 @@ def step_axis(rows: list[Any]) -> Callable[[float, bool], str]:
     `MetricHistory` numbers the dict rows from 1 (its x); a row without a step (the load phase)
     takes the nearest step after it for the axis' start (`start=True`) and before it for its end.
     A job whose rows carry no step at all is labelled by row."""
-    steps = [num(r.get("step")) for r in rows if isinstance(r, dict)]
+    steps = [num(r.get(Metric.step)) for r in rows if isinstance(r, dict)]
     if all(s is None for s in steps):
         return lambda x, start: f"row {int(x) or 1}"
 

@@ -97,10 +97,10 @@ def sort_value(job: dict[str, Any], column: str) -> Any:
     if column == "progress":
         spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
         frac = progress_of(m, spec)[0]
-        return 1.0 if frac is None and job.get("status") == "SUCCEEDED" else frac  # as `job_row` shows it
+        return 1.0 if frac is None and job.get("status") == JobState.SUCCEEDED else frac  # as `job_row` shows it
     if column == "vram":
-        peak = num(m.get("vram_peak_bytes"))
-        return peak if peak is not None else num(m.get("vram_allocated_bytes"))
+        peak = num(m.get(Metric.vram_peak_bytes))
+        return peak if peak is not None else num(m.get(Metric.vram_allocated_bytes))
     if column == "hit":
         return hit_rate_of(m)
     value = job.get(column)
