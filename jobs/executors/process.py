@@ -39,6 +39,9 @@ INFO_TIMEOUT_S = 30.0  # the launcher answers in ~30 ms; a loaded box may take s
 JOB_CONTRACT_ENV = frozenset({
     "OFFLOAD_JOBS_RUN_DIR", "OFFLOAD_JOBS_METRICS", "OFFLOAD_JOBS_OUTPUTS", "OFFLOAD_JOBS_EXIT_REPORT",
     "OFFLOAD_JOBS_JOB_ID", "OFFLOAD_JOBS_ATTEMPT", "OFFLOAD_JOBS_WORKER_ID",
+    # the hub fetch runs in the job: where models are kept, and the path of the token's file (a
+    # path, not the token; HF_TOKEN itself is the hub's own name and passes as any other variable)
+    "OFFLOAD_JOBS_MODEL_CACHE", "OFFLOAD_JOBS_HF_TOKEN_FILE",
 }) | RUNNER_ENV_OPTIONS
 
 
