@@ -1,7 +1,8 @@
 """The `model`, `train` and `infer` sections of a job spec (pydantic only, no torch).
 
 Field names follow the trainers users know (DiffSynth-Studio's and diffusers' LoRA scripts, and the
-seed workflow): `learning_rate`, `lora_rank`, `lora_target_modules`, `enable_model_cpu_offload`, ...
+seed workflow): `learning_rate`, `lora_rank`, `lora_target_modules`, ... (offload settings live in
+`jobs.spec.OffloadSpec` only)
 `jobs.spec` re-exports these classes; the runners in `jobs.runners` read them.
 """
 
@@ -10,10 +11,15 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from jobs.spec_yaml import MAX_INT
 
-__all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec"]
+__all__ = ["FAMILIES", "MOVED_TO_OFFLOAD", "ModelSpec", "TrainSpec", "InferSpec"]
+
+# train.* keys that moved to the offload section: old name -> offload.<new name>
+MOVED_TO_OFFLOAD = {"enable_model_cpu_offload": "enabled", "enable_optimizer_cpu_offload": "enable_optimizer_cpu_offload",
+                    "cpu_offload_split_threshold": "split_threshold_mb"}
 
 FAMILIES = ("flux", "qwen-image", "wan", "sd3")
 Family = Literal["flux", "qwen-image", "wan", "sd3"]
@@ -66,9 +72,10 @@ class TrainSpec(_Strict):
     discrete_flow_shift: float = Field(3.0, gt=0.0, le=1e3)
     guidance_scale: float = Field(1.0, ge=0.0, le=1e4, description="Guidance fed to guidance-distilled models (Flux-dev) while training.")
     max_sequence_length: Optional[int] = Field(None, ge=1, le=65536, description="Text tokens; default the family's.")
-    enable_model_cpu_offload: bool = Field(True, description="Stream the transformer's weights (the engine); false keeps it resident.")
-    enable_optimizer_cpu_offload: bool = Field(False, description="Keep fp32 LoRA masters and the optimizer on the CPU.")
-    cpu_offload_split_threshold: Optional[float] = Field(None, gt=0.0, le=1e9, description="MB: units bigger than this are split.")
+    # Deprecated: moved to offload.* (MOVED_TO_OFFLOAD); accepted for one release, left out of the schema.
+    enable_model_cpu_offload: SkipJsonSchema[Optional[bool]] = None
+    enable_optimizer_cpu_offload: SkipJsonSchema[Optional[bool]] = None
+    cpu_offload_split_threshold: SkipJsonSchema[Optional[float]] = Field(None, gt=0.0, le=1e9)
     save_every: Optional[int] = Field(250, ge=1, le=10**9, description="Checkpoint every N steps (null: only at the end).")
     save_every_minutes: Optional[float] = Field(None, gt=0.0, le=1e7, description="Also checkpoint every N minutes.")
     keep_last: int = Field(3, ge=1, le=10_000, description="Checkpoints kept; older ones are deleted.")

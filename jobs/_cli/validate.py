@@ -46,7 +46,7 @@ def validate(
     from jobs._cli.compose import mount_warnings  # a worker in a container sees only its mounts
     from jobs.home import state_home
 
-    warnings = mount_warnings(spec, state_home())
+    warnings = spec.deprecations() + mount_warnings(spec, state_home())
     for line in warnings:
         typer.echo(line, err=True)
     if json_out:

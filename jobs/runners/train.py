@@ -29,7 +29,7 @@ from jobs.runners.errors import NonFiniteLoss
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
-                               resolve_device, resolve_dtype)
+                               offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError
 from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
@@ -196,15 +196,9 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
 
-    engine_keys = spec.offload.engine_kwargs() if t.enable_model_cpu_offload else None
-    if engine_keys is not None:
-        engine_keys.pop("enable_optimizer_cpu_offload", None)
-        if t.enable_optimizer_cpu_offload and t.gradient_accumulation_steps > 1:
-            engine_keys.setdefault("gradient_accumulation_steps", t.gradient_accumulation_steps)
-    optimizer_offload = bool(t.enable_optimizer_cpu_offload or spec.offload.enable_optimizer_cpu_offload)
-    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=True, prepare=prepare,
-                              make_optimizer=make_optimizer, enable_optimizer_cpu_offload=optimizer_offload,
-                              cpu_offload_split_threshold=t.cpu_offload_split_threshold, rss=watch.rss)
+    engine_config = offload_config(spec, device, training=True)
+    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_config, training=True, prepare=prepare,
+                              make_optimizer=make_optimizer, rss=watch.rss)
     model, optimizer = loaded.model, loaded.optimizer
     lora_params = [p for p in model.parameters() if p.requires_grad]
     watch.sample()
@@ -214,11 +208,11 @@ def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                    # what loading added on top of the process as it was (torch, the cache's tensors)
                    "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
                    / max(1, loaded.weight_bytes),
-                   "lora_modules": len(adapted), "lora_parameters": sum(p.numel() for p in lora_params),
+                   "vram_budget_bytes": loaded.vram_budget, "lora_modules": len(adapted), "lora_parameters": sum(p.numel() for p in lora_params),
                    **loaded.memory}
     metrics.write(load_record)
     print(f"{family.name} transformer: {loaded.weight_bytes / 1e9:.2f} GB of weights, {len(adapted)} LoRA modules "
-          f"(rank {t.lora_rank}, alpha {alpha:g}), engine {'on ' + str(device) if engine_keys is not None else 'off'}; "
+          f"(rank {t.lora_rank}, alpha {alpha:g}), engine {'on ' + str(device) if engine_config is not None else 'off'}; "
           f"host RSS while loading peaked at {load_record['rss_peak_load_bytes'] / 1e9:.2f} GB "
           f"({load_record['rss_peak_load_ratio']:.2f}x the weight bytes; loading added "
           f"{load_record['rss_load_added_ratio']:.2f}x)", flush=True)
