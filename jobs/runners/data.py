@@ -22,14 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.runners.errors import DatasetError  # on the tree drawn in jobs.errors
+
 __all__ = ["DatasetError", "Item", "scan_dataset", "make_buckets", "nearest_bucket", "load_pixels", "epoch_order",
            "IMAGE_SUFFIXES"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-class DatasetError(ValueError):
-    """Bad training data: a missing or unreadable file, a missing column, no images at all."""
 
 
 @dataclass

@@ -10,14 +10,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.runners.errors import PromptError  # on the tree drawn in jobs.errors
+
 __all__ = ["PromptError", "PromptSpec", "parse_prompt", "read_prompts"]
 
 _FLAGS = {"--w": "width", "--h": "height", "--seed": "seed", "--steps": "steps", "--guidance": "guidance",
           "--n": "negative", "--f": "frames"}
-
-
-class PromptError(ValueError):
-    """A prompt whose inline options do not parse."""
 
 
 @dataclass
