@@ -15,7 +15,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from jobs.spec_yaml import MAX_INT
 
-__all__ = ["FAMILIES", "MOVED_TO_OFFLOAD", "ModelSpec", "TrainSpec", "InferSpec"]
+__all__ = ["FAMILIES", "MOVED_TO_OFFLOAD", "OPTIMIZERS", "LOGGERS", "ModelSpec", "ValidationSpec", "TrainSpec", "InferSpec"]
 
 # train.* keys that moved to the offload section: old name -> offload.<new name>
 MOVED_TO_OFFLOAD = {"enable_model_cpu_offload": "enabled", "enable_optimizer_cpu_offload": "enable_optimizer_cpu_offload",
@@ -41,6 +41,34 @@ class ModelSpec(_Strict):
     family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
+
+
+# train.optimizer -> (module it needs, the extra that installs it); adamw is torch's own
+OPTIMIZERS = {"adamw": (None, None), "adamw8bit": ("bitsandbytes", "adamw8bit"),
+              "adafactor": ("transformers", "adafactor"), "prodigy": ("prodigyopt", "prodigy")}
+LOGGERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _one_or_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+class ValidationSpec(_Strict):
+    """A validation loss on held-out items at fixed noise levels, every N steps."""
+
+    items: Union[Annotated[int, Field(ge=1, le=100_000)], list[str]] = Field(
+        1, description="Held out of training: the last N items of the dataset, or a list of their file names.")
+    every: int = Field(50, ge=1, le=10**9, description="Steps between validation losses (and one after the last step).")
+    timesteps: list[Annotated[float, Field(gt=0.0, lt=1.0)]] = Field(
+        default_factory=lambda: [0.25, 0.5, 0.75], min_length=1, max_length=1000,
+        description="The noise levels (sigma) each held-out item is scored at, with the same noise every time.")
+    seed: int = Field(0, ge=0, le=MAX_INT, description="Seed of the fixed validation noise.")
 
 
 class TrainSpec(_Strict):
@@ -88,8 +116,43 @@ class TrainSpec(_Strict):
     sample_height: Optional[int] = Field(None, ge=8, le=65536)
     cache_dir: Optional[str] = Field(None, description="Latent and text-embedding cache; default <state dir>/cache.")
     output_name: str = Field("lora", description="Base name of the LoRA file written to outputs/.")
+    trigger_word: Optional[str] = Field(
+        None, max_length=1000, description="Put in every caption: replaces [trigger] where a caption has it, else leads it.")
+    default_caption: Optional[str] = Field(
+        None, max_length=10_000, description="The caption of an image that has none (uncaptioned images are an error without it).")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Chance a sample trains with the empty caption.")
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
+        "adamw", description="adamw (torch), adamw8bit (bitsandbytes), adafactor (transformers) or prodigy (prodigyopt); "
+                             "the last three are the optional extras of the same names.")
+    ema: Optional[float] = Field(
+        None, gt=0.0, lt=1.0, description="EMA decay of the LoRA weights (e.g. 0.999); the EMA LoRA is written beside "
+                                          "the raw one as <output_name>_ema.safetensors.")
+    validation: Optional[ValidationSpec] = Field(None, description="A validation loss on held-out items, every N steps.")
+    log_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Also log to tensorboard (event files in the run dir's tensorboard/) or wandb.")
+    init_lora: Optional[str] = Field(
+        None, description="Start from this LoRA file (one this trainer wrote, of the same family and lora_rank).")
 
     _split = field_validator("lora_target_modules", mode="before")(_names)
+    _loggers = field_validator("log_to", mode="before")(_one_or_list)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer_installed(cls, value: str) -> str:
+        module, extra = OPTIMIZERS[value]
+        if module is not None and not _installed(module):
+            raise ValueError(f"{value} needs the {module} library, not installed here: "
+                             f"pip install 'offload-jobs[{extra}]'")
+        return value
+
+    @field_validator("log_to")
+    @classmethod
+    def _loggers_installed(cls, value: list[str]) -> list[str]:
+        for name in value:
+            module, extra = LOGGERS[name]
+            if not _installed(module):
+                raise ValueError(f"{name} needs the {module} library, not installed here: pip install 'offload-jobs[{extra}]'")
+        return value
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":

@@ -116,8 +116,8 @@ def _check_image(path: Path) -> tuple[int, int]:
 
 
 def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_column: str = "text",
-                 allow_clips: bool = False) -> list[Item]:
-    """Every item of the dataset, checked: files exist and decode, each has a caption."""
+                 allow_clips: bool = False, default_caption: str | None = None) -> list[Item]:
+    """Every item of the dataset, checked: files exist and decode, each has a caption (or `default_caption`)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise DatasetError(f"train.dataset: {root} is not a folder")
@@ -125,7 +125,8 @@ def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_c
     items: list[Item] = []
     if listed is not None:
         for name, caption in listed:
-            items.append(Item(name=name, files=_resolve(root, name, allow_clips), caption=caption.strip()))
+            caption = caption.strip() or default_caption or ""
+            items.append(Item(name=name, files=_resolve(root, name, allow_clips), caption=caption))
     else:
         entries = sorted(root.iterdir())
         for p in entries:
@@ -134,12 +135,14 @@ def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_c
             if not (is_image or is_clip):
                 continue
             txt = p.with_suffix(".txt") if is_image else p.parent / (p.name + ".txt")
-            if not txt.is_file():
-                raise DatasetError(f"{p}: no caption ({txt.name} is missing, and there is no metadata.jsonl/.csv)")
+            if not txt.is_file() and default_caption is None:
+                raise DatasetError(f"{p}: no caption ({txt.name} is missing, and there is no metadata.jsonl/.csv; "
+                                   "or set train.default_caption)")
             files = [p] if is_image else _frames(p)
             if not files:
                 continue
-            items.append(Item(name=p.name, files=files, caption=txt.read_text(encoding="utf-8").strip()))
+            caption = txt.read_text(encoding="utf-8").strip() if txt.is_file() else default_caption
+            items.append(Item(name=p.name, files=files, caption=caption))
     if not items:
         kinds = "images or clip folders" if allow_clips else "images"
         raise DatasetError(f"train.dataset: {root} has no {kinds} ({', '.join(IMAGE_SUFFIXES)})")

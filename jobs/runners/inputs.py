@@ -43,7 +43,9 @@ def check_train(spec: JobSpec) -> Checked:
         raise SetupError("train.dataset: a train job needs a dataset folder")
     dataset = Path(t.dataset).expanduser().resolve()
     items = scan_dataset(dataset, image_column=t.image_column, caption_column=t.caption_column,
-                         allow_clips=family == "wan")
+                         allow_clips=family == "wan", default_caption=t.default_caption)
+    if t.init_lora and not Path(t.init_lora).expanduser().is_file():
+        raise LoraError(f"train.init_lora: {t.init_lora} is not a file")
     _prompts_parse(read_prompts(t.sample_prompts, dataset))
     return Checked(family=family, model_dir=model_dir, items=items)
 

@@ -32,12 +32,23 @@ from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError
-from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
+from jobs.runners.lora import export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
+from jobs.runners.train_parts import StepLoggers, hold_out, make_optimizer, with_trigger
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, progress_bar
 from jobs.spec import JobSpec
 
 __all__ = ["train", "TrainRecipe", "Progress", "sample_sigmas", "lr_lambda"]
+
+# ---- NEW METRIC NAMES (for jobs/contract.py; written by this module's TrainRecipe) -------------------
+#   step records:  "val_loss"          mean validation loss on the held-out items (train.validation), every N steps
+#                  "ema_distance"      L2 distance between the EMA LoRA and the raw one (train.ema), every step
+#                  "captions_dropped"  samples of the step trained with the empty caption (train.caption_dropout > 0)
+#   load record:   "vram_budget_bytes" the VRAM budget the engine was given (offload.vram_budget or resources.vram_budget)
+#                  "optimizer"         train.optimizer's name
+# ------------------------------------------------------------------------------------------------------
+NEW_METRICS = ("val_loss", "ema_distance", "captions_dropped", "vram_budget_bytes", "optimizer")
+_TO_LOGGERS = ("loss", "lr", "grad_norm", "val_loss", "ema_distance", "it_s", "host_rss_bytes")  # also to tensorboard/wandb
 
 _ENGINE_STATS = ("vram_allocated_bytes", "vram_reserved_bytes", "vram_peak_bytes", "pinned_capacity_bytes",
                  "pinned_used_bytes", "cache_hits", "cache_misses", "cache_evictions", "h2d_bytes", "h2d_gbps",
@@ -149,7 +160,13 @@ class TrainRecipe:
             emit_event(run_dir, "vram_cap", bytes=self.cap)
         self.dtype = resolve_dtype(spec.model.dtype, self.device)
         self.family = get_adapter(checked.family)
-        self.model_dir, self.items = checked.model_dir, checked.items
+        self.model_dir = checked.model_dir
+        self.items, self.val_items = hold_out(checked.items, t.validation)
+        defaulted = sum(it.caption == t.default_caption for it in checked.items) if t.default_caption is not None else 0
+        for it in self.items + self.val_items:
+            it.caption = with_trigger(it.caption, t.trigger_word)
+        emit_event(run_dir, "dataset", items=len(self.items), held_out=len(self.val_items), default_captions=defaulted,
+                   example_caption=self.items[0].caption[:200])
         defaults = rnd.PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0, seed=t.seed,
                                   steps=t.sample_steps, guidance=t.sample_guidance if t.sample_guidance is not None
                                   else self.family.default_guidance, frames=t.num_frames)
@@ -162,6 +179,8 @@ class TrainRecipe:
         self.adapted: list[str] = []
         self.ckpts = CheckpointStore(run_dir / "checkpoints", keep_last=t.keep_last)
         self.progress = Progress()
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.loggers = StepLoggers(t.log_to, run_dir, spec)
 
     # ------------------------------------------------------------------ setup
 
@@ -174,6 +193,8 @@ class TrainRecipe:
         self._schedule()
         if self.latest is not None:
             self._resume(self.latest)
+        if self.t.ema is not None and self.ema is None:
+            self.ema = {n: v.float() for n, v in trainable_state(self.model).items()}
         self.samples = (_Samples(self.family, self.vae, self.scheduler, self.prompts, self.texts, self.outputs,
                                  self.device, self.dtype, self.cap) if self.vae is not None else None)
 
@@ -183,7 +204,7 @@ class TrainRecipe:
         t0 = time.perf_counter()
         pipe = load_pipeline_parts(self.model_dir, family, self.dtype)
         buckets = make_buckets(t.max_pixels, family.bucket_multiple(pipe.vae))
-        for it in items:
+        for it in items + self.val_items:
             it.bucket = nearest_bucket(it.size, buckets)
         for p in self.prompts:  # unset sample sizes: the first item's bucket
             p.width, p.height = p.width or items[0].bucket[0], p.height or items[0].bucket[1]
@@ -191,11 +212,15 @@ class TrainRecipe:
         cache = make_cache(Path(t.cache_dir).expanduser() if t.cache_dir else home / "cache", self.model_dir, family,
                            self.dtype)
         max_len = t.max_sequence_length or family.default_max_sequence_length
-        wanted = [it.caption for it in items] + [p.prompt for p in self.prompts]
+        wanted = [it.caption for it in items + self.val_items] + [p.prompt for p in self.prompts]
         if family.uses_negative and self.prompts:
             wanted += [p.negative for p in self.prompts]
+        if t.caption_dropout > 0:
+            wanted.append("")  # the dropped caption
         self.texts = encode_texts(pipe, family, cache, wanted, max_len, self.device, self.cap)
         self.latents = encode_items(pipe.vae, family, cache, items, t.num_frames, self.device, self.cap)
+        self.val_latents = (encode_items(pipe.vae, family, cache, self.val_items, t.num_frames, self.device, self.cap)
+                            if self.val_items else [])
         self.cache_counts = cache.counts.as_dict()
         emit_event(self.run_dir, "cache", **self.cache_counts, items=len(items), dir=str(cache.root))
         self.metrics.write({"phase": "precompute", "seconds": round(time.perf_counter() - t0, 3), **self.cache_counts})
@@ -220,12 +245,16 @@ class TrainRecipe:
             from safetensors.torch import load_file
 
             load_trainable_state(model, load_file(str(self.latest / "trainable.safetensors")))
+        elif t.init_lora:
+            count = load_lora_file(model, self.family, Path(t.init_lora).expanduser(), rank=t.lora_rank,
+                                   alpha=self.alpha)
+            emit_event(self.run_dir, "init_lora", path=str(t.init_lora), tensors=count)
         if t.gradient_checkpointing:
             model.enable_gradient_checkpointing()
 
     def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.t.learning_rate, weight_decay=self.t.weight_decay)
+        return make_optimizer(self.t.optimizer, params, lr=self.t.learning_rate, weight_decay=self.t.weight_decay)
 
     def _load_model(self) -> None:
         self.watch.phase("load")
@@ -242,7 +271,7 @@ class TrainRecipe:
                   "rss_peak_load_ratio": peak / max(1, loaded.weight_bytes),
                   # what loading added on top of the process as it was (torch, the cache's tensors)
                   "rss_load_added_ratio": (peak - loaded.memory["rss_before_load"]) / max(1, loaded.weight_bytes),
-                  "vram_budget_bytes": loaded.vram_budget, "lora_modules": len(self.adapted),
+                  "vram_budget_bytes": loaded.vram_budget, "optimizer": self.t.optimizer, "lora_modules": len(self.adapted),
                   "lora_parameters": sum(p.numel() for p in self.lora_params), **loaded.memory}
         self.metrics.write(record)
         t = self.t
@@ -271,6 +300,10 @@ class TrainRecipe:
         saved = torch.load(latest / "state.pt", weights_only=True)
         self.gen.set_state(saved["generator"])
         self.progress = Progress(**{k: saved[k] for k in ("step", "epoch", "position", "order")})
+        if self.t.ema is not None and (latest / "ema.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            self.ema = load_file(str(latest / "ema.safetensors"))
         emit_event(self.run_dir, "resumed", step=self.progress.step, checkpoint=str(latest))
 
     # ------------------------------------------------------------------ the loop
@@ -294,10 +327,16 @@ class TrainRecipe:
         stopped = False
         while self.progress.step < self.total and not stopped:
             t_step = time.perf_counter()
-            loss, grad_norm = self.train_step()
-            self.log(loss, grad_norm, time.perf_counter() - t_step)
+            values = self.train_step()
+            values["step_seconds"] = time.perf_counter() - t_step
+            if self.ema is not None:
+                values["ema_distance"] = self._update_ema()
+            if self._validation_due():
+                values["val_loss"] = self.validate()
+            self.log(values)
             stopped = self._between_steps(controls.poll())
         self.bar.close()
+        self.loggers.close()
         return self.finish(stopped)
 
     def _next_batch(self) -> list[int]:
@@ -311,21 +350,31 @@ class TrainRecipe:
         return batch
 
     def _loss(self, batch: list[int]) -> torch.Tensor:
-        """Flow matching: x_t = (1 - sigma) x0 + sigma noise; the model predicts noise - x0."""
-        t, family, device, dtype = self.t, self.family, self.device, self.dtype
+        t, device, dtype = self.t, self.device, self.dtype
         x0 = torch.stack([self.latents[i] for i in batch]).to(device, dtype)
-        text = family.collate_text([self.texts[self.items[i].caption] for i in batch], device, dtype)
+        captions = [self.items[i].caption for i in batch]
+        if t.caption_dropout > 0:  # drawn only when on, so the noise stream is the same as before otherwise
+            dropped = (torch.rand(len(batch), generator=self.gen) < t.caption_dropout).tolist()
+            captions = ["" if drop else c for c, drop in zip(captions, dropped)]
+            self.captions_dropped += sum(dropped)
+        text = self.family.collate_text([self.texts[c] for c in captions], device, dtype)
         noise = torch.randn(x0.shape, generator=self.gen).to(device, dtype)
         sigmas = sample_sigmas(len(batch), t.timestep_sampling, t.discrete_flow_shift, self.gen)
+        return self._flow_loss(x0, text, noise, sigmas)
+
+    def _flow_loss(self, x0: torch.Tensor, text: Any, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """Flow matching: x_t = (1 - sigma) x0 + sigma noise; the model predicts noise - x0."""
+        family, device, dtype = self.family, self.device, self.dtype
         s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(device, dtype)
         noisy = (1 - s) * x0 + s * noise
-        out = self.model(**family.model_inputs(self.model, noisy, sigmas.to(device), text, t.guidance_scale))[0]
+        out = self.model(**family.model_inputs(self.model, noisy, sigmas.to(device), text, self.t.guidance_scale))[0]
         return F.mse_loss(family.prediction(out, x0).float(), (noise - x0).float())
 
-    def train_step(self) -> tuple[float, float | None]:
-        """One optimizer step over gradient_accumulation_steps micro-batches: (mean loss, grad norm or None)."""
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over gradient_accumulation_steps micro-batches: the mean loss and the grad norm."""
         t = self.t
         loss_value = 0.0
+        self.captions_dropped = 0
         for _ in range(t.gradient_accumulation_steps):
             loss = self._loss(self._next_batch())
             value = float(loss.detach())
@@ -342,20 +391,60 @@ class TrainRecipe:
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
-        return loss_value, grad_norm
+        values = {"loss": loss_value, "grad_norm": grad_norm}
+        if t.caption_dropout > 0:
+            values["captions_dropped"] = self.captions_dropped
+        return values
 
-    def log(self, loss: float, grad_norm: float | None, step_seconds: float) -> None:
-        """The step's line in metrics.jsonl (with the engine's stats) and the progress bar."""
+    def _update_ema(self) -> float:
+        """ema = decay * ema + (1 - decay) * lora, in fp32 on the CPU; returns their L2 distance."""
+        assert self.ema is not None
+        decay, squares = float(self.t.ema), 0.0
+        for name, value in trainable_state(self.model).items():
+            avg = self.ema[name]
+            avg.mul_(decay).add_(value.float(), alpha=1 - decay)
+            squares += float((avg - value.float()).pow(2).sum())
+        return math.sqrt(squares)
+
+    def _validation_due(self) -> bool:
+        v, step = self.t.validation, self.progress.step
+        return v is not None and (step % v.every == 0 or step >= self.total)
+
+    def validate(self) -> float:
+        """Mean loss over the held-out items at the fixed sigmas, with the same noise every time."""
+        v, device, dtype = self.t.validation, self.device, self.dtype
+        assert v is not None
+        gen = torch.Generator("cpu").manual_seed(v.seed)
+        losses = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for it, latent in zip(self.val_items, self.val_latents):
+                    x0 = latent.unsqueeze(0).to(device, dtype)
+                    text = self.family.collate_text([self.texts[it.caption]], device, dtype)
+                    for sigma in v.timesteps:
+                        noise = torch.randn(x0.shape, generator=gen).to(device, dtype)
+                        losses.append(float(self._flow_loss(x0, text, noise, torch.tensor([sigma]))))
+        finally:
+            self.model.train(was_training)
+        return sum(losses) / len(losses)
+
+    def log(self, values: dict[str, Any]) -> None:
+        """The step's line in metrics.jsonl (with the engine's stats), the extra loggers and the progress bar."""
         step, total = self.progress.step, self.total
         elapsed = time.monotonic() - self.t_start
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
-        record = {"step": step, "total_steps": total, "loss": loss, "lr": self.lr_schedule.get_last_lr()[0],
-                  "grad_norm": grad_norm, "epoch": self.progress.epoch, "it_s": rate, "step_seconds": step_seconds,
-                  "eta_seconds": (total - step) / rate if rate > 0 else None, "host_rss_bytes": self.watch.sample()}
+        record = {"step": step, "total_steps": total, "loss": values["loss"], "lr": self.lr_schedule.get_last_lr()[0],
+                  "grad_norm": values["grad_norm"], "epoch": self.progress.epoch, "it_s": rate,
+                  "step_seconds": values["step_seconds"], "eta_seconds": (total - step) / rate if rate > 0 else None,
+                  "host_rss_bytes": self.watch.sample()}
+        record.update({k: values[k] for k in ("ema_distance", "val_loss", "captions_dropped") if k in values})
         stats = self.loaded.stats()
         record.update({k: stats[k] for k in _ENGINE_STATS if k in stats})
         self.metrics.write(record)
-        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.loggers.write(step, {k: record[k] for k in _TO_LOGGERS if record.get(k) is not None})
+        self.bar.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
         self.bar.update(1)
 
     def _between_steps(self, actions: set[str]) -> bool:
@@ -381,12 +470,16 @@ class TrainRecipe:
 
         lora = trainable_state(self.model)
         state = {"generator": self.gen.get_state(), **self.progress.as_dict()}
-        path = self.ckpts.save(self.progress.step, {
+        files = {
             "trainable.safetensors": lambda p: save_file(lora, str(p)),
             "optimizer.pt": lambda p: torch.save({"optimizer": self.optimizer.state_dict(),
                                                   "lr_scheduler": self.lr_schedule.state_dict()}, p),
             "state.pt": lambda p: torch.save(state, p),
-        })
+        }
+        if self.ema is not None:
+            ema = {n: v.contiguous() for n, v in self.ema.items()}
+            files["ema.safetensors"] = lambda p: save_file(ema, str(p))
+        path = self.ckpts.save(self.progress.step, files)
         emit_event(self.run_dir, "checkpoint", step=self.progress.step, path=str(path))
         return path
 
@@ -401,14 +494,20 @@ class TrainRecipe:
         """The LoRA file and the summary."""
         t, step = self.t, self.progress.step
         lora_path = self.outputs / f"{t.output_name}.safetensors"
-        export_lora(self.model, self.family, lora_path, rank=t.lora_rank, alpha=self.alpha,
-                    metadata={"offload_jobs.base_model": str(self.model_dir), "offload_jobs.step": step,
-                              "offload_jobs.targets": ",".join(self.targets)})
+        metadata = {"offload_jobs.base_model": str(self.model_dir), "offload_jobs.step": step,
+                    "offload_jobs.targets": ",".join(self.targets)}
+        export_lora(self.model, self.family, lora_path, rank=t.lora_rank, alpha=self.alpha, metadata=metadata)
+        ema_path = None
+        if self.ema is not None:  # beside the raw one
+            ema_path = self.outputs / f"{t.output_name}_ema.safetensors"
+            export_lora(self.model, self.family, ema_path, rank=t.lora_rank, alpha=self.alpha,
+                        metadata={**metadata, "offload_jobs.ema_decay": t.ema}, state=self.ema)
         watch = self.watch
         summary = {"done": True, "lora": str(lora_path), "family": self.family.name, "step": step,
                    "stopped_early": stopped, "checkpoints": self.ckpts.complete(),
                    "samples": self.samples.last if self.samples else [], "host_rss_peak_bytes": watch.peak,
-                   "host_rss_peaks": watch.peaks, "weight_bytes": self.loaded.weight_bytes, "cache": self.cache_counts}
+                   "host_rss_peaks": watch.peaks, "weight_bytes": self.loaded.weight_bytes, "cache": self.cache_counts,
+                   "lora_ema": str(ema_path) if ema_path else None}
         rnd.write_params(self.outputs / "train_summary.json", summary)
         self.metrics.write({"phase": "done", "step": step, "lora": str(lora_path), "host_rss_peak_bytes": watch.peak})
         print(f"LoRA written to {lora_path} ({step} steps)", flush=True)
