@@ -125,6 +125,7 @@ def train(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
             return recipe.run()
         finally:
             gc.unfreeze()  # run() froze the setup's objects for its loop
+            recipe.loggers.close()  # what tensorboard/wandb hold is flushed, a failed run's too
 
 
 @dataclass
@@ -336,7 +337,6 @@ class TrainRecipe:
             self.log(values)
             stopped = self._between_steps(controls.poll())
         self.bar.close()
-        self.loggers.close()
         return self.finish(stopped)
 
     def _next_batch(self) -> list[int]:

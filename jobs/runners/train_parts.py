@@ -106,3 +106,4 @@ class StepLoggers:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        self.tensorboard = self.wandb = None

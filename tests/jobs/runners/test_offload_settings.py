@@ -87,3 +87,19 @@ def test_one_size_parser_for_the_engine_and_the_spec() -> None:
     assert offload_core.OffloadConfig(vram_budget="1e9").vram_budget == 10**9
     with pytest.raises(OffloadConfigError, match="vram_budget: is larger than 1 EiB"):
         offload_core.OffloadConfig(vram_budget="2e18")
+
+
+def test_validate_prints_the_deprecation_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "old.yaml"
+    spec.write_text("kind: train\nmodel:\n  path: /models/x\ntrain:\n  dataset: /data/x\n"
+                    "  enable_optimizer_cpu_offload: true\n")
+    env = {**os.environ, "OFFLOAD_JOBS_HOME": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", str(spec)], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    assert ("train.enable_optimizer_cpu_offload is deprecated (read for one more release): "
+            "use offload.enable_optimizer_cpu_offload") in res.stderr

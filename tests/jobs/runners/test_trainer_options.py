@@ -132,3 +132,18 @@ def test_a_missing_library_is_refused_at_submit_naming_the_extra(client, tiny: d
         with pytest.raises(SpecError) as e:
             parse_spec(train_spec(tiny, "flux", optimizer=name))
         assert e.value.field == "train.optimizer" and f"offload-jobs[{name}]" in str(e.value)
+
+
+def test_adafactor_and_prodigy_train(client, tiny: dict[str, Path]) -> None:
+    pytest.importorskip("prodigyopt")
+    specs = [train_spec(tiny, "flux", steps=2, save_every=2, optimizer=name, learning_rate=1e-3 if name == "adafactor"
+                        else 1.0) for name in ("adafactor", "prodigy")]
+    adafactor, prodigy = _wait_all(client, specs)
+    for job in (adafactor, prodigy):
+        assert job["status"] == "SUCCEEDED", log(job)[-2000:]
+    def saved(job: dict) -> dict:
+        return torch.load(run_dir(job) / "checkpoints" / "step-000002" / "optimizer.pt", weights_only=True)["optimizer"]
+
+    # each optimizer's own state: Adafactor's factored second moment, Prodigy's step size estimate d
+    assert any("exp_avg_sq_row" in s or "exp_avg_sq" in s for s in saved(adafactor)["state"].values())
+    assert all("d" in g for g in saved(prodigy)["param_groups"])
