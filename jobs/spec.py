@@ -336,7 +336,8 @@ def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
             model = ann
         else:
             return []
-    return list(getattr(model, "model_fields", {}))
+    return [name for name in getattr(model, "model_fields", {})
+            if not (model is TrainSpec and name in MOVED_TO_OFFLOAD)]  # deprecated keys are not offered
 
 
 def _first_error(exc: ValidationError, data: Any) -> tuple[str | None, str]:

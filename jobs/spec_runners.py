@@ -62,13 +62,24 @@ def _one_or_list(value: object) -> object:
 class ValidationSpec(_Strict):
     """A validation loss on held-out items at fixed noise levels, every N steps."""
 
-    items: Union[Annotated[int, Field(ge=1, le=100_000)], list[str]] = Field(
+    items: Union[int, list[str]] = Field(
         1, description="Held out of training: the last N items of the dataset, or a list of their file names.")
     every: int = Field(50, ge=1, le=10**9, description="Steps between validation losses (and one after the last step).")
     timesteps: list[Annotated[float, Field(gt=0.0, lt=1.0)]] = Field(
         default_factory=lambda: [0.25, 0.5, 0.75], min_length=1, max_length=1000,
         description="The noise levels (sigma) each held-out item is scored at, with the same noise every time.")
     seed: int = Field(0, ge=0, le=MAX_INT, description="Seed of the fixed validation noise.")
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _some_items(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("expected a number of items or a list of file names")
+        if isinstance(value, int) and not 1 <= value <= 100_000:
+            raise ValueError("hold out between 1 and 100000 items")
+        if isinstance(value, list) and not 1 <= len(value) <= 100_000:
+            raise ValueError("name between 1 and 100000 items")
+        return value
 
 
 class TrainSpec(_Strict):
