@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from jobs.errors import SpecError
 from jobs.spec_yaml import (
-    ENV_NAME, IMAGE_REF, MAX_ARG_BYTES, MAX_ARGV_TOTAL, MAX_BYTES, MAX_DEPTH, MAX_DURATION_S,
+    ENV_NAME, IMAGE_REF, MAX_ARG_BYTES, MAX_ARGV_TOTAL, MAX_DEPTH, MAX_DURATION_S,
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
