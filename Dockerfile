@@ -78,7 +78,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPYCACHEPREFIX=/cache/python \
     HOME=/home/offload
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md byte_sizes.py ./
 COPY offload_core ./offload_core
 COPY jobs ./jobs
 COPY tui ./tui

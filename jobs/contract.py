@@ -116,6 +116,9 @@ class StepMetrics(TypedDict, total=False):
     eta_seconds: float | None  # until total_steps at it_s
     host_rss_bytes: int  # this process's resident memory now
     host_total_bytes: int  # the box's RAM (the ceiling of host_rss_bytes)
+    val_loss: float | None  # mean loss on train.validation's held-out items, every N steps
+    ema_distance: float  # L2 distance between the EMA LoRA (train.ema) and the raw one
+    captions_dropped: int  # samples of the step trained with the empty caption (train.caption_dropout)
 
 
 class EngineStats(TypedDict, total=False):
@@ -141,6 +144,10 @@ class EngineStats(TypedDict, total=False):
     measured_step_ms: float
     predicted_step_ms: float | None
     plan: dict[str, Any]  # the planner's prediction (the report's plan table)
+    host_store: str  # where the streamed bytes live: arena (all pinned), bounce (pageable + a pinned ring), disk
+    host_store_reason: str
+    pinned_limit_bytes: int  # the bounce store's limit on pinned bytes
+    bounce_fill_gbps: float  # the bounce ring's fill threads, each thread's own memcpy rate
 
 
 class _Names:

@@ -9,7 +9,19 @@
     ├── StoreError          the state store cannot be opened, migrated or written (names the file)
     ├── RunDirError         a file of a run dir is unsafe to touch (a symlink planted by the job, ...)
     ├── RequestTooLarge     a request body over the worker's limit (a spec over 1 MiB, ...)
-    └── ExecutorError       an executor cannot start (no Docker daemon, ...)
+    ├── ExecutorError       an executor cannot start (no Docker daemon, ...)
+    │   └── SetupFailed     (jobs.executors.base) an attempt could not be started: no sbatch, a bad image, ...
+    ├── RunnerInputError    (jobs.runners.errors) bad input to a train or infer job: reason setup_failed
+    │   ├── DatasetError    a missing or unreadable file, a missing column, no images at all
+    │   ├── FamilyError     a model folder that is not a diffusers folder of the family asked for
+    │   ├── LoraError       a LoRA that cannot be made or used
+    │   ├── PromptError     a prompt whose inline options do not parse
+    │   ├── OptimizerError  train.optimizer names a library that is not installed
+    │   └── SetupError      other bad input found before the work starts
+    └── NonFiniteLoss       (jobs.runners.errors) the loss became NaN or infinite: reason nonfinite_loss
+
+The subclasses defined elsewhere live beside the code that raises them (the executors, the
+runners); this module stays free of their imports.
 
 Bugs still raise ordinary exceptions.
 """

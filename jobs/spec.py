@@ -16,17 +16,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
+from byte_sizes import parse_bytes as _parse_size
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from jobs.errors import SpecError
 from jobs.spec_yaml import (
-    ENV_NAME, IMAGE_REF, MAX_ARG_BYTES, MAX_ARGV_TOTAL, MAX_BYTES, MAX_DEPTH, MAX_DURATION_S,
+    ENV_NAME, IMAGE_REF, MAX_ARG_BYTES, MAX_ARGV_TOTAL, MAX_DEPTH, MAX_DURATION_S,
     MAX_SPEC_BYTES, MAX_STOP_GRACE_S, apply_overrides, check_tree, decode_spec_bytes, line_of, read_spec_data,
     with_origin, yaml_load,
 )
 from jobs import contract
 from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
-from jobs.spec_runners import InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
+from jobs.spec_runners import MOVED_TO_OFFLOAD, InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
     "KINDS",
@@ -55,11 +56,6 @@ Kind = Literal[KINDS]  # type: ignore[valid-type]
 Reason = Literal[REASONS]  # type: ignore[valid-type]
 Executor = Literal[EXECUTORS]  # type: ignore[valid-type]
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
 _SECONDS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "ms": 0.001}
 
 
@@ -72,22 +68,12 @@ class _FieldError(ValueError):
 
 
 def parse_bytes(value: Any) -> Any:
-    """`7.5GiB`, `512MB`, `1e9` or an int -> bytes (int), at most 1 EiB. Other types pass to pydantic to reject."""
+    """`7.5GiB`, `512MB`, `1e9` or an int -> bytes (int), at most 1 EiB (byte_sizes, the engine's parser too).
+    Types that are no size pass to pydantic to reject."""
+    if value is None or (isinstance(value, (int, float, str)) and not isinstance(value, bool)):
+        return _parse_size(value)
     if isinstance(value, bool):
         raise ValueError("expected bytes (an int or a size like '7.5GiB'), got a boolean")
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"not a size: {value!r:.60} (use bytes or e.g. '7.5GiB', '512MB')")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError("must be a finite size")
-        if value < 0:
-            raise ValueError("must be >= 0")
-        if value > MAX_BYTES:
-            raise ValueError("is larger than 1 EiB; check the units")
-        return int(value)
     return value
 
 
@@ -174,8 +160,13 @@ class _Strict(BaseModel):
 
 
 class OffloadSpec(_Strict):
-    """The engine's config keys (offload_core.OffloadConfig); unset keys keep the engine's defaults."""
+    """Every offload setting of a job: `enabled`, and the engine's config keys (offload_core.OffloadConfig;
+    unset keys keep the engine's defaults)."""
 
+    # The runners map this section to an OffloadConfig in one place: jobs.runners.load.offload_config
+
+    enabled: Optional[bool] = Field(
+        None, description="Stream the transformer's weights through the engine (default); false keeps it resident.")
     target_device: Optional[str] = Field(None, description="cuda, cuda:N or cpu.")
     cpu_offload: Optional[bool] = None
     offload_granularity: Optional[Literal["leaf", "block", "phase", "auto"]] = None
@@ -211,8 +202,8 @@ class OffloadSpec(_Strict):
         None, description="Stream every weight as frozen (default: when no parameter is frozen).")
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The keys the user set, ready for `enable_offload(model, **kwargs)`."""
-        return self.model_dump(exclude_none=True)
+        """The engine keys the user set, ready for `enable_offload(model, **kwargs)`."""
+        return self.model_dump(exclude_none=True, exclude={"enabled"})
 
 
 class ShardSpec(_Strict):
@@ -226,7 +217,8 @@ class ResourcesSpec(_Strict):
     gpus: Optional[int] = Field(None, ge=0, le=1024, description="GPUs needed; default 0 for command/shard, 1 otherwise.")
     min_vram: Optional[Bytes] = Field(None, description="Memory each of its GPUs must have (e.g. '24GiB'); "
                                                         "only a worker with such GPUs free claims the job.")
-    vram_budget: Optional[Bytes] = None
+    vram_budget: Optional[Bytes] = Field(None, description="The engine's VRAM budget when offload.vram_budget "
+                                                           "and offload.offload_ratio are unset.")
     shm_size: Optional[Bytes] = Field(None, description="Shared memory for the docker executor.")
 
 
@@ -277,12 +269,29 @@ class JobSpec(_Strict):
             raise _FieldError("resources.min_vram", "needs a GPU job: set resources.gpus too")
         if contract.Reason.CANCELLED in self.retry.on:
             raise _FieldError("retry.on", "a cancelled job is never retried; remove `cancelled`")
+        self._move_offload_keys()
         env_bytes = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) + 2 for k, v in self.env.items())
         cmd = self.command if isinstance(self.command, list) else [self.command or ""]
         if env_bytes + sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in cmd) > MAX_ARGV_TOTAL:
             raise _FieldError("env", f"`env` and `command` add up to more than {MAX_ARGV_TOTAL} bytes, "
                                      "more than a process can be started with")
         return self
+
+    def _move_offload_keys(self) -> None:
+        # The train.* offload keys of older specs are read for one release, into offload.*
+        for old, new in MOVED_TO_OFFLOAD.items():
+            if old not in self.train.model_fields_set:
+                continue
+            value, current = getattr(self.train, old), getattr(self.offload, new)
+            if current is not None and current != value:
+                raise _FieldError(f"train.{old}", f"is deprecated and conflicts with offload.{new}={current}; "
+                                                  f"remove train.{old}")
+            setattr(self.offload, new, value)
+
+    def deprecations(self) -> list[str]:
+        """One line per deprecated key the spec sets, naming the key to use instead."""
+        return [f"train.{old} is deprecated (read for one more release): use offload.{new}"
+                for old, new in MOVED_TO_OFFLOAD.items() if old in self.train.model_fields_set]
 
     @property
     def gpus(self) -> int:
@@ -330,7 +339,8 @@ def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
             model = ann
         else:
             return []
-    return list(getattr(model, "model_fields", {}))
+    return [name for name in getattr(model, "model_fields", {})
+            if not (model is TrainSpec and name in MOVED_TO_OFFLOAD)]  # deprecated keys are not offered
 
 
 def _first_error(exc: ValidationError, data: Any) -> tuple[str | None, str]:

@@ -1,7 +1,8 @@
 """The `model`, `train` and `infer` sections of a job spec (pydantic only, no torch).
 
 Field names follow the trainers users know (DiffSynth-Studio's and diffusers' LoRA scripts, and the
-seed workflow): `learning_rate`, `lora_rank`, `lora_target_modules`, `enable_model_cpu_offload`, ...
+seed workflow): `learning_rate`, `lora_rank`, `lora_target_modules`, ... (offload settings live in
+`jobs.spec.OffloadSpec` only)
 `jobs.spec` re-exports these classes; the runners in `jobs.runners` read them.
 """
 
@@ -10,16 +11,22 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from jobs.spec_yaml import MAX_INT
 
-__all__ = ["FAMILIES", "ModelSpec", "TrainSpec", "InferSpec", "MAX_SIDE", "MAX_FRAMES"]
+__all__ = ["FAMILIES", "MOVED_TO_OFFLOAD", "OPTIMIZERS", "LOGGERS", "ModelSpec", "ValidationSpec", "TrainSpec",
+           "InferSpec", "MAX_SIDE", "MAX_FRAMES"]
 
 # Sizes a spec (or a prompt's inline --w/--h/--f) may ask for. 8192 a side is 4x the largest size
 # these families are trained at; a larger one only ever asked the host for tens of GB and failed.
 # What the machine's memory allows within these is checked at setup (jobs.runners.inputs).
 MAX_SIDE = 8192
 MAX_FRAMES = 10_000
+
+# train.* keys that moved to the offload section: old name -> offload.<new name>
+MOVED_TO_OFFLOAD = {"enable_model_cpu_offload": "enabled", "enable_optimizer_cpu_offload": "enable_optimizer_cpu_offload",
+                    "cpu_offload_split_threshold": "split_threshold_mb"}
 
 FAMILIES = ("flux", "qwen-image", "wan", "sd3")
 Family = Literal["flux", "qwen-image", "wan", "sd3"]
@@ -55,6 +62,45 @@ class ModelSpec(_Strict):
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
 
 
+# train.optimizer -> (module it needs, the extra that installs it); adamw is torch's own
+OPTIMIZERS = {"adamw": (None, None), "adamw8bit": ("bitsandbytes", "adamw8bit"),
+              "adafactor": ("transformers", "adafactor"), "prodigy": ("prodigyopt", "prodigy")}
+LOGGERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _one_or_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+class ValidationSpec(_Strict):
+    """A validation loss on held-out items at fixed noise levels, every N steps."""
+
+    items: Union[int, list[str]] = Field(
+        1, description="Held out of training: the last N items of the dataset, or a list of their file names.")
+    every: int = Field(50, ge=1, le=10**9, description="Steps between validation losses (and one after the last step).")
+    timesteps: list[Annotated[float, Field(gt=0.0, lt=1.0)]] = Field(
+        default_factory=lambda: [0.25, 0.5, 0.75], min_length=1, max_length=1000,
+        description="The noise levels (sigma) each held-out item is scored at, with the same noise every time.")
+    seed: int = Field(0, ge=0, le=MAX_INT, description="Seed of the fixed validation noise.")
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _some_items(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("expected a number of items or a list of file names")
+        if isinstance(value, int) and not 1 <= value <= 100_000:
+            raise ValueError("hold out between 1 and 100000 items")
+        if isinstance(value, list) and not 1 <= len(value) <= 100_000:
+            raise ValueError("name between 1 and 100000 items")
+        return value
+
+
 class TrainSpec(_Strict):
     """LoRA training of the model's transformer with a flow-matching loss."""
 
@@ -84,9 +130,10 @@ class TrainSpec(_Strict):
     discrete_flow_shift: float = Field(3.0, gt=0.0, le=1e3)
     guidance_scale: float = Field(1.0, ge=0.0, le=1e4, description="Guidance fed to guidance-distilled models (Flux-dev) while training.")
     max_sequence_length: Optional[int] = Field(None, ge=1, le=65536, description="Text tokens; default the family's.")
-    enable_model_cpu_offload: bool = Field(True, description="Stream the transformer's weights (the engine); false keeps it resident.")
-    enable_optimizer_cpu_offload: bool = Field(False, description="Keep fp32 LoRA masters and the optimizer on the CPU.")
-    cpu_offload_split_threshold: Optional[float] = Field(None, gt=0.0, le=1e9, description="MB: units bigger than this are split.")
+    # Deprecated: moved to offload.* (MOVED_TO_OFFLOAD); accepted for one release, left out of the schema.
+    enable_model_cpu_offload: SkipJsonSchema[Optional[bool]] = None
+    enable_optimizer_cpu_offload: SkipJsonSchema[Optional[bool]] = None
+    cpu_offload_split_threshold: SkipJsonSchema[Optional[float]] = Field(None, gt=0.0, le=1e9)
     save_every: Optional[int] = Field(250, ge=1, le=10**9, description="Checkpoint every N steps (null: only at the end).")
     save_every_minutes: Optional[float] = Field(None, gt=0.0, le=1e7, description="Also checkpoint every N minutes.")
     keep_last: int = Field(3, ge=1, le=10_000, description="Checkpoints kept; older ones are deleted.")
@@ -99,6 +146,22 @@ class TrainSpec(_Strict):
     sample_height: Optional[int] = Field(None, ge=8, le=MAX_SIDE)
     cache_dir: Optional[str] = Field(None, description="Latent and text-embedding cache; default <state dir>/cache.")
     output_name: str = Field("lora", description="Base name of the LoRA file written to outputs/.")
+    trigger_word: Optional[str] = Field(
+        None, max_length=1000, description="Put in every caption: replaces [trigger] where a caption has it, else leads it.")
+    default_caption: Optional[str] = Field(
+        None, max_length=10_000, description="The caption of an image that has none (uncaptioned images are an error without it).")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Chance a sample trains with the empty caption.")
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
+        "adamw", description="adamw (torch), adamw8bit (bitsandbytes), adafactor (transformers) or prodigy (prodigyopt); "
+                             "the last three are the optional extras of the same names.")
+    ema: Optional[float] = Field(
+        None, gt=0.0, lt=1.0, description="EMA decay of the LoRA weights (e.g. 0.999); the EMA LoRA is written beside "
+                                          "the raw one as <output_name>_ema.safetensors.")
+    validation: Optional[ValidationSpec] = Field(None, description="A validation loss on held-out items, every N steps.")
+    log_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Also log to tensorboard (event files in the run dir's tensorboard/) or wandb.")
+    init_lora: Optional[str] = Field(
+        None, description="Start from this LoRA file (one this trainer wrote, of the same family and lora_rank).")
 
     _split = field_validator("lora_target_modules", mode="before")(_names)
     _sample_options = field_validator("sample_prompts")(
@@ -108,6 +171,26 @@ class TrainSpec(_Strict):
     @classmethod
     def _zero_is_off(cls, value: Optional[int]) -> Optional[int]:
         return value or None  # 0 reads as "off", as null does: one value for the runner to test
+
+    _loggers = field_validator("log_to", mode="before")(_one_or_list)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer_installed(cls, value: str) -> str:
+        module, extra = OPTIMIZERS[value]
+        if module is not None and not _installed(module):
+            raise ValueError(f"{value} needs the {module} library, not installed here: "
+                             f"pip install 'offload-jobs[{extra}]'")
+        return value
+
+    @field_validator("log_to")
+    @classmethod
+    def _loggers_installed(cls, value: list[str]) -> list[str]:
+        for name in value:
+            module, extra = LOGGERS[name]
+            if not _installed(module):
+                raise ValueError(f"{name} needs the {module} library, not installed here: pip install 'offload-jobs[{extra}]'")
+        return value
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":

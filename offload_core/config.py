@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from byte_sizes import parse_bytes as _parse_size
 
 from .errors import OffloadConfigError
 
@@ -21,27 +22,12 @@ class Granularity(str, enum.Enum):
     AUTO = "auto"
 
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
 def parse_bytes(value: int | float | str | None, *, key: str = "value") -> int | None:
-    """Turn 123, "7.5GiB" or "800MB" into a number of bytes."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise OffloadConfigError(f"{key}: expected a byte count such as 8589934592 or '7.5GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise OffloadConfigError(f"{key}: must not be negative, got {value!r}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise OffloadConfigError(f"{key}: expected a byte count such as 8589934592 or '7.5GiB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Turn 123, "7.5GiB", "800MB" or "1e9" into a number of bytes (the one parser: byte_sizes)."""
+    try:
+        return _parse_size(value)
+    except ValueError as exc:
+        raise OffloadConfigError(f"{key}: {exc}") from None
 
 
 @dataclass

@@ -39,13 +39,17 @@ class OffloadTrainingManager:
         config: OffloadConfig | dict | None = None,
         **overrides: Any,
     ) -> None:
-        overrides.setdefault("target_device", str(target_device))
-        # Training: trainable parameters get gradients, so they are never streamed as frozen.
-        overrides.setdefault("treat_as_inference", False)
-        overrides.setdefault("enable_optimizer_cpu_offload", enable_optimizer_cpu_offload)
-        if cpu_offload_split_threshold is not None:
-            overrides.setdefault("split_threshold_mb", cpu_offload_split_threshold)
+        # DiffSynth-Studio's argument names are OffloadConfig keys under other names. Left at their
+        # defaults they leave `config` as it is; set, they win over it as any override does.
+        named = {"target_device": None if str(target_device) == "cuda" and config is not None else str(target_device),
+                 "enable_optimizer_cpu_offload": enable_optimizer_cpu_offload or None,
+                 "split_threshold_mb": cpu_offload_split_threshold}
+        for key, value in named.items():
+            if value is not None:
+                overrides.setdefault(key, value)
         cfg = OffloadConfig.from_overrides(config, **overrides)
+        if cfg.treat_as_inference is None:  # training: trainable parameters get gradients, never streamed as frozen
+            cfg.treat_as_inference = False
         if optimizer is not None:
             # Checked before the engine touches the model, so a mismatch leaves it intact.
             _check_optimizer(model, optimizer)

@@ -47,7 +47,7 @@ def validate(
         raise typer.Exit(2) from None
     from jobs._cli.compose import mount_warnings  # a worker in a container sees only its mounts
 
-    warnings = mount_warnings(spec, state_home())
+    warnings = spec.deprecations() + mount_warnings(spec, state_home())
     for line in warnings:
         typer.echo(line, err=True)
     if json_out:

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.contract import JobState, Reason
+from jobs.errors import ExecutorError
 from jobs.rundir import RunDir
 
 __all__ = ["Launch", "Handle", "Exit", "Recovered", "Executor", "SetupFailed", "classify"]
 
 
-class SetupFailed(Exception):
-    """The attempt could not be started (missing binary, no Docker daemon, bad image, ...)."""
+class SetupFailed(ExecutorError):
+    """The attempt could not be started (missing binary, no Docker daemon, bad image, ...): an ExecutorError."""
 
 
 @dataclass

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.runners.errors import DatasetError  # on the tree drawn in jobs.errors
+
 __all__ = ["DatasetError", "Item", "scan_dataset", "make_buckets", "nearest_bucket", "load_pixels", "epoch_order",
            "IMAGE_SUFFIXES", "MAX_IMAGE_PIXELS", "read_text"]
 
@@ -30,10 +32,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # PIL's decompression-bomb limit (its MAX_IMAGE_PIXELS default): a larger image is refused from its
 # header, before anything is decoded (a 20000x20000 PNG of a few KB would take 1.2 GB to decode).
 MAX_IMAGE_PIXELS = 89_478_485
-
-
-class DatasetError(ValueError):
-    """Bad training data: a missing or unreadable file, a missing column, no images at all."""
 
 
 def read_text(path: Path, error: type[ValueError] | None = None) -> str:
@@ -144,8 +142,8 @@ def _check_image(path: Path) -> tuple[int, int]:
 
 
 def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_column: str = "text",
-                 allow_clips: bool = False) -> list[Item]:
-    """Every item of the dataset, checked: files exist and decode, each has a caption."""
+                 allow_clips: bool = False, default_caption: str | None = None) -> list[Item]:
+    """Every item of the dataset, checked: files exist and decode, each has a caption (or `default_caption`)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise DatasetError(f"train.dataset: {root} is not a folder")
@@ -153,7 +151,8 @@ def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_c
     items: list[Item] = []
     if listed is not None:
         for name, caption in listed:
-            items.append(Item(name=name, files=_resolve(root, name, allow_clips), caption=caption.strip()))
+            caption = caption.strip() or default_caption or ""
+            items.append(Item(name=name, files=_resolve(root, name, allow_clips), caption=caption))
     else:
         entries = sorted(root.iterdir())
         for p in entries:
@@ -162,12 +161,14 @@ def scan_dataset(path: str | Path, *, image_column: str = "file_name", caption_c
             if not (is_image or is_clip):
                 continue
             txt = p.with_suffix(".txt") if is_image else p.parent / (p.name + ".txt")
-            if not txt.is_file():
-                raise DatasetError(f"{p}: no caption ({txt.name} is missing, and there is no metadata.jsonl/.csv)")
+            if not txt.is_file() and default_caption is None:
+                raise DatasetError(f"{p}: no caption ({txt.name} is missing, and there is no metadata.jsonl/.csv; "
+                                   "or set train.default_caption)")
             files = [p] if is_image else _frames(p)
             if not files:
                 continue
-            items.append(Item(name=p.name, files=files, caption=read_text(txt).strip()))
+            caption = read_text(txt).strip() if txt.is_file() else default_caption
+            items.append(Item(name=p.name, files=files, caption=caption))
     if not items:
         kinds = "images or clip folders" if allow_clips else "images"
         raise DatasetError(f"train.dataset: {root} has no {kinds} ({', '.join(IMAGE_SUFFIXES)})")

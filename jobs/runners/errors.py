@@ -1,4 +1,18 @@
-"""Which runner failures are the user's to fix, and the reason each one reports to the worker."""
+"""Which runner failures are the user's to fix, and the reason each one reports to the worker.
+
+The runners' own errors, on the tree drawn in `jobs.errors`:
+
+    JobsError
+    ├── RunnerInputError    bad input to a train or infer job: reason setup_failed, exit 2
+    │   ├── DatasetError    a missing or unreadable file, a missing column, no images at all
+    │   ├── FamilyError     a model folder that is not a diffusers folder of the family asked for
+    │   ├── LoraError       a LoRA that cannot be made or used
+    │   ├── PromptError     a prompt whose inline options do not parse
+    │   ├── OptimizerError  train.optimizer names a library that is not installed
+    │   └── SetupError      other bad input found before the work starts
+    ├── NoCuda              target_device cuda with a torch that cannot use CUDA: reason no_cuda
+    └── NonFiniteLoss       the loss became NaN or infinite: reason nonfinite_loss
+"""
 
 from __future__ import annotations
 
@@ -7,14 +21,45 @@ import sys
 from typing import Callable
 from jobs.contract import Reason
 
-__all__ = ["NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
+from jobs.errors import JobsError
+
+__all__ = ["RunnerInputError", "DatasetError", "FamilyError", "LoraError", "PromptError", "OptimizerError",
+           "SetupError", "NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
 
 
-class NoCuda(RuntimeError):
+class NoCuda(JobsError, RuntimeError):
     """The job asks for a CUDA device that this process's torch cannot use (reason no_cuda)."""
 
 
-class NonFiniteLoss(RuntimeError):
+class RunnerInputError(JobsError, ValueError):
+    """Bad input to a train or infer job, found by the runner: the job fails with reason setup_failed."""
+
+
+class DatasetError(RunnerInputError):
+    """Bad training data: a missing or unreadable file, a missing column, no images at all."""
+
+
+class FamilyError(RunnerInputError):
+    """A model folder that is not a diffusers folder of the family asked for."""
+
+
+class LoraError(RunnerInputError):
+    """A LoRA that cannot be made or used: no module matched, a file of another family, unreadable."""
+
+
+class PromptError(RunnerInputError):
+    """A prompt whose inline options do not parse."""
+
+
+class OptimizerError(RunnerInputError):
+    """train.optimizer names an optimizer whose library is not installed (the message names the extra)."""
+
+
+class SetupError(RunnerInputError):
+    """Other bad input found before the work starts."""
+
+
+class NonFiniteLoss(JobsError, RuntimeError):
     """The loss became NaN or infinite: the job stops with reason nonfinite_loss and the step."""
 
     def __init__(self, step: int, value: float) -> None:
@@ -24,13 +69,9 @@ class NonFiniteLoss(RuntimeError):
 
 def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     """(reason, one-line message, exit code) for a failure a user can cause or must see; None for a bug."""
-    from jobs.runners.data import DatasetError
-    from jobs.runners.folders import FamilyError, LoraError, SetupError
-    from jobs.runners.prompts import PromptError
-
     from jobs.hub import HubError
 
-    if isinstance(exc, (DatasetError, FamilyError, LoraError, PromptError, SetupError, HubError)):
+    if isinstance(exc, (RunnerInputError, HubError)):
         return Reason.SETUP_FAILED, str(exc), 2
     if isinstance(exc, NoCuda):
         return Reason.NO_CUDA, str(exc), 2

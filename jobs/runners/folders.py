@@ -11,6 +11,8 @@ import json
 import struct
 from pathlib import Path
 
+from jobs.runners.errors import FamilyError, LoraError, SetupError  # on the tree drawn in jobs.errors
+
 __all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_family", "read_lora_header", "lora_family"]
 
 # family -> (pipeline class, transformer class): the names model_index.json and config.json use
@@ -20,18 +22,6 @@ FAMILY_CLASSES = {"flux": ("FluxPipeline", "FluxTransformer2DModel"),
                   "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel")}
 _BY_PIPELINE = {p: f for f, (p, _) in FAMILY_CLASSES.items()}
 _BY_TRANSFORMER = {t: f for f, (_, t) in FAMILY_CLASSES.items()}
-
-
-class FamilyError(ValueError):
-    """A model folder that is not a diffusers folder of the family asked for."""
-
-
-class SetupError(ValueError):
-    """Other bad input found before the work starts (fails the job with reason setup_failed)."""
-
-
-class LoraError(ValueError):
-    """A LoRA that cannot be made or used: no module matched, a file of another family, unreadable."""
 
 
 def detect_family(model_dir: str | Path, expected: str | None = None) -> str:

@@ -88,7 +88,9 @@ def check_train(spec: JobSpec) -> Checked:
     check_size("train.max_pixels" + (" x train.num_frames" if video else "") + " x train.batch_size",
                f"{t.max_pixels:,} pixels", t.max_pixels, t.num_frames if video else 1, t.batch_size)
     items = scan_dataset(dataset, image_column=t.image_column, caption_column=t.caption_column,
-                         allow_clips=video)
+                         allow_clips=video, default_caption=t.default_caption)
+    if t.init_lora and not Path(t.init_lora).expanduser().is_file():
+        raise LoraError(f"train.init_lora: {t.init_lora} is not a file")
     _prompts_parse(read_prompts(t.sample_prompts, dataset),
                    PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0,
                               frames=t.num_frames if video else 1), "train.sample_prompts")

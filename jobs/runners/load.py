@@ -1,7 +1,7 @@
 """Loading a model folder's parts, and the offload around them.
 
-`load_transformer` is the one place the transformer's weights come from. With the engine on
-(`offload:` keys), the transformer is built on the meta device exactly as diffusers'
+`offload_config` is the one place a spec's offload settings become the engine's `OffloadConfig`.
+`load_transformer` is the one place the transformer's weights come from. With the engine on, the transformer is built on the meta device exactly as diffusers'
 `from_pretrained(torch_dtype=...)` builds it (`meta_transformer`), and the engine reads each tensor
 of `transformer/*.safetensors` straight into its pinned arena (`weights=`), or streams it from
 shards (`lazy_load`), so host RAM never holds the weights twice. Without the engine, or with
@@ -14,6 +14,7 @@ host RSS against the weight bytes.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import os
 import time
@@ -25,8 +26,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from jobs.runners.families import FamilyAdapter
+from jobs.spec import JobSpec
 
-__all__ = ["resolve_device", "resolve_dtype", "apply_vram_cap", "load_transformer", "meta_transformer", "LoadedTransformer",
+__all__ = ["resolve_device", "resolve_dtype", "apply_vram_cap", "offload_config", "load_transformer", "meta_transformer", "LoadedTransformer",
            "load_pipeline_parts", "component_offload", "free_host_memory", "module_bytes"]
 
 VRAM_CAP_ENV = "OFFLOAD_JOBS_VRAM_CAP"
@@ -65,6 +67,32 @@ def apply_vram_cap(device: torch.device) -> int | None:
     return cap
 
 
+def offload_config(spec: JobSpec, device: torch.device, *, training: bool) -> Any:
+    """The one mapping from a spec to the engine's `OffloadConfig` (None: no engine, the model stays resident).
+
+    `spec.offload` holds every offload setting (the deprecated train.* keys were moved there when the
+    spec was read); `resources.vram_budget` is the engine's budget when the offload section sets
+    neither a budget nor a ratio.
+    """
+    for line in spec.deprecations():  # into the job's log
+        print(f"[offload-jobs] warning: {line}", flush=True)
+    if spec.offload.enabled is False:
+        return None
+    from offload_core import OffloadConfig
+
+    keys = spec.offload.engine_kwargs()
+    if spec.resources.vram_budget is not None and "vram_budget" not in keys and "offload_ratio" not in keys:
+        keys["vram_budget"] = spec.resources.vram_budget
+    keys["target_device"] = str(device)
+    if training:
+        keys.setdefault("treat_as_inference", False)  # trainable parameters get gradients: never streamed as frozen
+        if keys.get("enable_optimizer_cpu_offload") and spec.train.gradient_accumulation_steps > 1:
+            keys["gradient_accumulation_steps"] = spec.train.gradient_accumulation_steps
+    else:
+        keys.pop("enable_optimizer_cpu_offload", None)
+    return OffloadConfig(**keys)
+
+
 def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
@@ -90,6 +118,11 @@ class LoadedTransformer:
 
     def stats(self) -> dict[str, Any]:
         return self.handle.stats() if self.handle is not None else {}
+
+    @property
+    def vram_budget(self) -> int | None:
+        """The VRAM budget the engine was given (None: none, or no engine)."""
+        return self.handle.engine.config.vram_budget if self.handle is not None else None
 
 
 def meta_transformer(cls: Any, folder: str | Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -120,16 +153,14 @@ def meta_transformer(cls: Any, folder: str | Path, dtype: torch.dtype) -> torch.
 
 
 def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, device: torch.device, *,
-                     offload: dict[str, Any] | None, training: bool = False,
+                     offload: Any, training: bool = False,
                      prepare: Callable[[torch.nn.Module], None] | None = None,
                      with_weights: Callable[[torch.nn.Module], None] | None = None,
                      make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
-                     enable_optimizer_cpu_offload: bool = False,
-                     cpu_offload_split_threshold: float | None = None,
                      rss: Callable[[], int] | None = None) -> LoadedTransformer:
     """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
 
-    `offload` holds engine keys (None keeps the model resident on `device`). `prepare(model)` runs
+    `offload` is the engine's OffloadConfig (`offload_config(spec, ...)`; None keeps the model resident on `device`). `prepare(model)` runs
     before the engine takes the model, on the meta device when the engine loads the weights
     (peft's adapters get values there: `lora.inject_lora`). `with_weights(model)` runs where the base
     weights have their values (a LoRA fused into them): before the engine when the model was loaded
@@ -139,14 +170,17 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     _, cls = family.classes()
     rss = rss or (lambda: 0)
     folder = Path(model_dir) / "transformer"
-    keys = dict(offload or {})
-    meta = offload is not None and not keys.get("offload_to_disk")
+    if isinstance(offload, dict):  # engine keys, as enable_offload takes them
+        from offload_core import OffloadConfig
+
+        offload = OffloadConfig(**{"target_device": str(device), **offload})
+    meta = offload is not None and not offload.offload_to_disk
     t0 = time.perf_counter()
     before = rss()
     if meta:
         model = meta_transformer(cls, folder, dtype)
-        if not keys.get("lazy_load"):
-            keys["weights"] = str(folder)
+        if not offload.lazy_load:
+            offload = dataclasses.replace(offload, weights=str(folder))
     else:
         model = cls.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype, low_cpu_mem_usage=True)
         model.eval()
@@ -162,19 +196,16 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     loaded.load_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    keys.setdefault("target_device", str(device))
     if offload is None:
         model.to(device)
     elif training:
         from offload_core import OffloadTrainingManager
 
-        loaded.handle = OffloadTrainingManager(
-            model, target_device=keys.pop("target_device"), enable_optimizer_cpu_offload=enable_optimizer_cpu_offload,
-            cpu_offload_split_threshold=cpu_offload_split_threshold, optimizer=loaded.optimizer, **keys)
+        loaded.handle = OffloadTrainingManager(model, config=offload, optimizer=loaded.optimizer)
     else:
         from offload_core import enable_offload
 
-        loaded.handle = enable_offload(model, **keys)
+        loaded.handle = enable_offload(model, offload)
     if with_weights is not None and meta:
         with_weights(model)
     free_host_memory()

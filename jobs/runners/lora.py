@@ -23,7 +23,7 @@ from jobs.runners.families import FamilyAdapter
 from jobs.runners.folders import LoraError, lora_family, read_lora_header
 
 __all__ = ["LoraError", "inject_lora", "base_weights_on_host", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
-           "read_lora_header"]
+           "read_lora_header", "load_lora_file"]
 
 
 def inject_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[str]:
@@ -108,17 +108,55 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor])
             params[n].copy_(v)
 
 
+def _lora_parts(name: str) -> tuple[str, str] | None:
+    """`<module>.lora_A.default.weight` -> (module, "A"); None for a tensor that is no LoRA matrix."""
+    if ".lora_A." not in name and ".lora_B." not in name:
+        return None
+    module, _, rest = name.partition(".lora_")
+    return module, rest.split(".", 1)[0]
+
+
+def load_lora_file(model: torch.nn.Module, family: FamilyAdapter, path: str | Path, *, rank: int,
+                   alpha: float) -> int:
+    """Start the model's LoRA from a file `export_lora` wrote (same family and rank); returns the tensors set."""
+    from safetensors.torch import load_file
+
+    meta, _ = read_lora_header(path)
+    if meta.get("offload_jobs.family") != family.name or meta.get("alpha_folded") != "true":
+        raise LoraError(f"train.init_lora: {path} is not a {family.name} LoRA written by offload-jobs "
+                        "(other formats are not read yet)")
+    if meta.get("lora_rank") != str(rank):
+        raise LoraError(f"train.init_lora: {path} has rank {meta.get('lora_rank')}; set train.lora_rank to it")
+    saved = load_file(str(path))
+    scale = alpha / rank  # export_lora folded its own alpha/rank into B; this job's scale comes back out
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            parts = _lora_parts(name)
+            if parts is None:
+                continue
+            key = f"{family.lora_key(parts[0])}.lora_{parts[1]}.weight"
+            if key not in saved or saved[key].shape != p.shape:
+                raise LoraError(f"train.init_lora: {path} has no {key} of shape {tuple(p.shape)}; was it trained "
+                                "with other lora_target_modules?")
+            p.copy_(saved[key] / scale if parts[1] == "B" else saved[key])
+            count += 1
+    return count
+
+
 def export_lora(model: torch.nn.Module, family: FamilyAdapter, path: str | Path, *, rank: int, alpha: float,
-                metadata: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Write the adapter as one .safetensors in the family's convention; returns what was written."""
+                metadata: dict[str, Any] | None = None,
+                state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Write the adapter as one .safetensors in the family's convention; returns what was written.
+    `state` (names as the model's parameters) writes those values instead of the model's (an EMA)."""
     scale = alpha / rank
     out: dict[str, torch.Tensor] = {}
     unnamed = []
-    for name, p in model.named_parameters():
-        if ".lora_A." not in name and ".lora_B." not in name:
+    for name, p in (state or dict(model.named_parameters())).items():
+        parts = _lora_parts(name)
+        if parts is None:
             continue
-        module, _, rest = name.partition(".lora_")
-        which = rest.split(".", 1)[0]  # A or B
+        module, which = parts
         key = family.lora_key(module)
         if key is None:
             unnamed.append(module)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.spec_runners import MAX_FRAMES, MAX_SIDE
+from jobs.runners.errors import PromptError  # on the tree drawn in jobs.errors
 
 __all__ = ["PromptError", "PromptSpec", "parse_prompt", "read_prompts"]
 
@@ -21,10 +22,6 @@ _FLAGS = {"--w": "width", "--h": "height", "--seed": "seed", "--steps": "steps",
           "--n": "negative", "--f": "frames"}
 _BOUNDS = {"width": (8, MAX_SIDE), "height": (8, MAX_SIDE), "frames": (1, MAX_FRAMES), "steps": (1, 10**9),
            "seed": (0, 2**63 - 1)}
-
-
-class PromptError(ValueError):
-    """A prompt whose inline options do not parse."""
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The train runner: LoRA on a diffusers transformer, flow matching, the engine streaming its weights.
 
-Read top to bottom, `train()` is the recipe:
-1. check the model folder and the dataset (bad input fails here, with the file named)
-2. precompute latents and text embeddings through the cache; free the text encoders
-3. load the transformer, add the LoRA, put it on the engine
-4. resume from the newest complete checkpoint, if any
-5. step: sample sigma, x_t = (1 - sigma) x0 + sigma noise, predict noise - x0, MSE; metrics every step
-6. checkpoints, samples and controls between steps; the LoRA file at the end
+`TrainRecipe` is the recipe (torchtune's shape), read top to bottom:
+1. `inputs.check_train` checked the model folder and the dataset (bad input failed there, the file named)
+2. `setup()`: latents and text embeddings through the cache (the text encoders freed); the transformer,
+   its LoRA and the engine; the newest complete checkpoint resumed, if any
+3. `train_step()`: sample sigma, x_t = (1 - sigma) x0 + sigma noise, predict noise - x0, MSE
+4. `log()` every step; `save_checkpoint()`, `sample()` and the controls between steps (`run()`)
+5. `finish()`: the LoRA file and the summary
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import gc
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,19 @@ from jobs.runners.errors import NonFiniteLoss
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, bytes_text, free_host_memory, host_ram_on_load, load_pipeline_parts,
-                               load_transformer, resolve_device, resolve_dtype)
+                               load_transformer, offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError
-from jobs.runners.lora import export_lora, inject_lora, load_trainable_state, trainable_state
+from jobs.runners.lora import export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
+from jobs.runners.train_parts import StepLoggers, hold_out, make_optimizer, with_trigger
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, progress_bar
 from jobs.spec import JobSpec
 
-__all__ = ["train", "sample_sigmas", "lr_lambda"]
+__all__ = ["train", "TrainRecipe", "Progress", "sample_sigmas", "lr_lambda"]
+
+# also to tensorboard/wandb, beside metrics.jsonl
+_TO_LOGGERS = (Metric.loss, Metric.lr, Metric.grad_norm, Metric.val_loss, Metric.ema_distance, Metric.it_s,
+               Metric.host_rss_bytes)
 
 
 def sample_sigmas(n: int, how: str, shift: float, gen: torch.Generator) -> torch.Tensor:
@@ -102,252 +108,397 @@ class _Samples:
 
 def train(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[str, Any]:
     """Run the job; `checked` is what `inputs.check_train(spec)` returned (checked again if not given)."""
-    t = spec.train
-    checked = checked or check_train(spec)
-    outputs = Path(os.environ.get("OFFLOAD_JOBS_OUTPUTS") or run_dir / "outputs")
-    outputs.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsWriter()
-    device = resolve_device(spec.offload.target_device)
-    cap = apply_vram_cap(device)
-    if device.type == "cuda":
-        # torch issue 196678: cuDNN's SDPA backward gives NaN or illegal memory accesses on H100/H200 in bf16.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        emit_event(run_dir, "cudnn_sdp_disabled", message="cuDNN SDPA off for training (torch issue 196678)")
-    if cap:
-        emit_event(run_dir, "vram_cap", bytes=cap)
-    dtype = resolve_dtype(spec.model.dtype, device)
-    family = get_adapter(checked.family)
-    prompt_defaults = rnd.PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0, seed=t.seed,
-                                     steps=t.sample_steps, guidance=t.sample_guidance if t.sample_guidance is not None
-                                     else family.default_guidance, frames=t.num_frames)
-    dataset = Path(t.dataset or "").expanduser().resolve()
-    prompts = [rnd.parse_prompt(p, prompt_defaults) for p in rnd.read_prompts(t.sample_prompts, dataset)]
-    watch = HostMemoryWatch(run_dir, warn_fraction=float(os.environ.get("OFFLOAD_JOBS_HOST_MEMORY_WARN", "0.92")))
-    with watch:
+    recipe = TrainRecipe(spec, run_dir, checked or check_train(spec))
+    with recipe.watch:
         try:
-            return _train(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.items,
-                          prompts, watch)
+            recipe.setup()
+            return recipe.run()
         finally:
-            gc.unfreeze()  # _train froze the setup's objects for its loop
+            gc.unfreeze()  # run() froze the setup's objects for its loop
+            recipe.loggers.close()  # what tensorboard/wandb hold is flushed, a failed run's too
 
 
-def _train(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device,
-           cap: int | None, dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, items: list, prompts: list,
-           watch: HostMemoryWatch) -> dict[str, Any]:
-    t = spec.train
-    # 2. precompute
-    watch.phase("precompute")
-    t0 = time.perf_counter()
-    pipe = load_pipeline_parts(model_dir, family, dtype)
-    vae, scheduler = pipe.vae, pipe.scheduler
-    buckets = make_buckets(t.max_pixels, family.bucket_multiple(vae))
-    for it in items:
-        it.bucket = nearest_bucket(it.size, buckets)
-    for p in prompts:  # unset sample sizes: the first item's bucket
-        p.width, p.height = p.width or items[0].bucket[0], p.height or items[0].bucket[1]
-    home = run_dir.parent.parent
-    cache = make_cache(Path(t.cache_dir).expanduser() if t.cache_dir else home / "cache", model_dir, family, dtype)
-    max_len = t.max_sequence_length or family.default_max_sequence_length
-    texts_wanted = [it.caption for it in items] + [p.prompt for p in prompts]
-    if family.uses_negative and prompts:
-        texts_wanted += [p.negative for p in prompts]
-    texts = encode_texts(pipe, family, cache, texts_wanted, max_len, device, cap)
-    latents = encode_items(vae, family, cache, items, t.num_frames, device, cap)
-    counts = cache.counts.as_dict()
-    emit_event(run_dir, "cache", **counts, items=len(items), dir=str(cache.root))
-    metrics.write({"phase": "precompute", Metric.seconds: round(time.perf_counter() - t0, 3), **counts})
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-        if getattr(pipe, name, None) is not None:
-            setattr(pipe, name, None)
-    keep_vae = bool(prompts)  # samples on schedule or on `signal JOB sample`
-    del pipe
-    if not keep_vae:
-        vae = None
-    free_host_memory()
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint, so a retry continues from the same place in the data."""
 
-    # 3. the transformer, its LoRA and the engine
-    watch.phase("load")
-    alpha = t.lora_alpha or float(t.lora_rank)
-    targets = t.lora_target_modules or list(family.default_targets)
-    adapted: list[str] = []
-    # 4. (found now) the checkpoint to resume from: its LoRA goes in before the engine packs the weights
-    ckpts = CheckpointStore(run_dir / "checkpoints", keep_last=t.keep_last)
-    latest = ckpts.latest(on_skip=lambda why: emit_event(run_dir, "checkpoint_skipped", reason=why))
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    order: list[list[int]] = field(default_factory=list)
 
-    def prepare(model: torch.nn.Module) -> None:
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "position": self.position, "order": self.order}
+
+
+class TrainRecipe:
+    """One train job in torchtune's recipe shape: `setup()` once, then `train_step()` per optimizer step,
+    with `log()`, `save_checkpoint()` and `sample()` between steps; `run()` is the loop."""
+
+    def __init__(self, spec: JobSpec, run_dir: Path, checked: Checked) -> None:
+        t = self.t = spec.train
+        self.spec, self.run_dir = spec, run_dir
+        self.outputs = Path(os.environ.get("OFFLOAD_JOBS_OUTPUTS") or run_dir / "outputs")
+        self.outputs.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter()
+        self.device = resolve_device(spec.offload.target_device)
+        self.cap = apply_vram_cap(self.device)
+        if self.device.type == "cuda":
+            # torch issue 196678: cuDNN's SDPA backward gives NaN or illegal memory accesses on H100/H200 in bf16.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            emit_event(run_dir, "cudnn_sdp_disabled", message="cuDNN SDPA off for training (torch issue 196678)")
+        if self.cap:
+            emit_event(run_dir, "vram_cap", bytes=self.cap)
+        self.dtype = resolve_dtype(spec.model.dtype, self.device)
+        self.family = get_adapter(checked.family)
+        self.model_dir = checked.model_dir
+        self.items, self.val_items = hold_out(checked.items, t.validation)
+        defaulted = sum(it.caption == t.default_caption for it in checked.items) if t.default_caption is not None else 0
+        for it in self.items + self.val_items:
+            it.caption = with_trigger(it.caption, t.trigger_word)
+        emit_event(run_dir, "dataset", items=len(self.items), held_out=len(self.val_items), default_captions=defaulted,
+                   example_caption=self.items[0].caption[:200])
+        defaults = rnd.PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0, seed=t.seed,
+                                  steps=t.sample_steps, guidance=t.sample_guidance if t.sample_guidance is not None
+                                  else self.family.default_guidance, frames=t.num_frames)
+        dataset = Path(t.dataset or "").expanduser().resolve()
+        self.prompts = [rnd.parse_prompt(p, defaults) for p in rnd.read_prompts(t.sample_prompts, dataset)]
+        warn = float(os.environ.get("OFFLOAD_JOBS_HOST_MEMORY_WARN", "0.92"))
+        self.watch = HostMemoryWatch(run_dir, warn_fraction=warn)
+        self.alpha = t.lora_alpha or float(t.lora_rank)
+        self.targets = t.lora_target_modules or list(self.family.default_targets)
+        self.adapted: list[str] = []
+        self.ckpts = CheckpointStore(run_dir / "checkpoints", keep_last=t.keep_last)
+        self.progress = Progress()
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.loggers = StepLoggers(t.log_to, run_dir, spec)
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Precompute latents and text embeddings, load the transformer with its LoRA on the engine, resume."""
+        self._precompute()
+        # the checkpoint to resume from is found now: its LoRA goes in before the engine packs the weights
+        self.latest = self.ckpts.latest(on_skip=lambda why: emit_event(self.run_dir, "checkpoint_skipped", reason=why))
+        self._load_model()
+        self._schedule()
+        if self.latest is not None:
+            self._resume(self.latest)
+        if self.t.ema is not None and self.ema is None:
+            self.ema = {n: v.float() for n, v in trainable_state(self.model).items()}
+        self.samples = (_Samples(self.family, self.vae, self.scheduler, self.prompts, self.texts, self.outputs,
+                                 self.device, self.dtype, self.cap) if self.vae is not None else None)
+
+    def _precompute(self) -> None:
+        t, family, items = self.t, self.family, self.items
+        self.watch.phase("precompute")
+        t0 = time.perf_counter()
+        pipe = load_pipeline_parts(self.model_dir, family, self.dtype)
+        buckets = make_buckets(t.max_pixels, family.bucket_multiple(pipe.vae))
+        for it in items + self.val_items:
+            it.bucket = nearest_bucket(it.size, buckets)
+        for p in self.prompts:  # unset sample sizes: the first item's bucket
+            p.width, p.height = p.width or items[0].bucket[0], p.height or items[0].bucket[1]
+        home = self.run_dir.parent.parent
+        cache = make_cache(Path(t.cache_dir).expanduser() if t.cache_dir else home / "cache", self.model_dir, family,
+                           self.dtype)
+        max_len = t.max_sequence_length or family.default_max_sequence_length
+        wanted = [it.caption for it in items + self.val_items] + [p.prompt for p in self.prompts]
+        if family.uses_negative and self.prompts:
+            wanted += [p.negative for p in self.prompts]
+        if t.caption_dropout > 0:
+            wanted.append("")  # the dropped caption
+        self.texts = encode_texts(pipe, family, cache, wanted, max_len, self.device, self.cap)
+        self.latents = encode_items(pipe.vae, family, cache, items, t.num_frames, self.device, self.cap)
+        self.val_latents = (encode_items(pipe.vae, family, cache, self.val_items, t.num_frames, self.device, self.cap)
+                            if self.val_items else [])
+        self.cache_counts = cache.counts.as_dict()
+        emit_event(self.run_dir, "cache", **self.cache_counts, items=len(items), dir=str(cache.root))
+        self.metrics.write({"phase": "precompute", Metric.seconds: round(time.perf_counter() - t0, 3), **self.cache_counts})
+        # the VAE stays only for samples (on schedule or on `signal JOB sample`)
+        self.vae = pipe.vae if self.prompts else None
+        self.scheduler = pipe.scheduler
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(pipe, name, None) is not None:
+                setattr(pipe, name, None)
+        del pipe
+        free_host_memory()
+
+    def _prepare_model(self, model: torch.nn.Module) -> None:
+        t = self.t
         torch.manual_seed(t.seed)  # the LoRA's initial A matrices
-        adapted.extend(inject_lora(model, t.lora_rank, alpha, targets))
-        unnamed = [m for m in adapted if family.lora_key(m) is None]
+        self.adapted.extend(inject_lora(model, t.lora_rank, self.alpha, self.targets))
+        unnamed = [m for m in self.adapted if self.family.lora_key(m) is None]
         if unnamed:  # found now, not when the LoRA file is written after the last step
-            raise LoraError(f"train.lora_target_modules: {unnamed[0]} has no {family.name} name outside diffusers "
-                            f"({len(unnamed)} such modules); target attention/MLP projections")
-        if latest is not None:
+            raise LoraError(f"train.lora_target_modules: {unnamed[0]} has no {self.family.name} name outside "
+                            f"diffusers ({len(unnamed)} such modules); target attention/MLP projections")
+        if self.latest is not None:
             from safetensors.torch import load_file
 
-            load_trainable_state(model, load_file(str(latest / "trainable.safetensors")))
+            load_trainable_state(model, load_file(str(self.latest / "trainable.safetensors")))
+        elif t.init_lora:
+            count = load_lora_file(model, self.family, Path(t.init_lora).expanduser(), rank=t.lora_rank,
+                                   alpha=self.alpha)
+            emit_event(self.run_dir, "init_lora", path=str(t.init_lora), tensors=count)
         if t.gradient_checkpointing:
             model.enable_gradient_checkpointing()
 
-    def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        return make_optimizer(self.t.optimizer, params, lr=self.t.learning_rate, weight_decay=self.t.weight_decay)
 
-    engine_keys = spec.offload.engine_kwargs() if t.enable_model_cpu_offload else None
-    if engine_keys is not None:
-        engine_keys.pop("enable_optimizer_cpu_offload", None)
-        if t.enable_optimizer_cpu_offload and t.gradient_accumulation_steps > 1:
-            engine_keys.setdefault("gradient_accumulation_steps", t.gradient_accumulation_steps)
-    optimizer_offload = bool(t.enable_optimizer_cpu_offload or spec.offload.enable_optimizer_cpu_offload)
-    loaded = load_transformer(model_dir, family, dtype, device, offload=engine_keys, training=True, prepare=prepare,
-                              make_optimizer=make_optimizer, enable_optimizer_cpu_offload=optimizer_offload,
-                              cpu_offload_split_threshold=t.cpu_offload_split_threshold, rss=watch.rss)
-    model, optimizer = loaded.model, loaded.optimizer
-    lora_params = [p for p in model.parameters() if p.requires_grad]
-    watch.sample()
-    load_record = {"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
-                   "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
-                   "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
-                   # what loading added on top of the process as it was (torch, the cache's tensors)
-                   "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
-                   / max(1, loaded.weight_bytes),
-                   "lora_modules": len(adapted), "lora_parameters": sum(p.numel() for p in lora_params),
-                   **loaded.memory}
-    metrics.write(load_record)
-    print(f"{family.name} transformer: {bytes_text(loaded.weight_bytes)} of weights, {len(adapted)} LoRA modules "
-          f"(rank {t.lora_rank}, alpha {alpha:g}), engine {'on ' + str(device) if engine_keys is not None else 'off'}; "
-          + host_ram_on_load(load_record["rss_peak_load_bytes"], loaded.memory["rss_before_load"], loaded.weight_bytes),
-          flush=True)
+    def _load_model(self) -> None:
+        self.watch.phase("load")
+        self.engine_config = offload_config(self.spec, self.device, training=True)
+        loaded = self.loaded = load_transformer(
+            self.model_dir, self.family, self.dtype, self.device, offload=self.engine_config, training=True,
+            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss)
+        self.model, self.optimizer = loaded.model, loaded.optimizer
+        self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.watch.sample()
+        peak = self.watch.peaks.get("load", 0)
+        record = {"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
+                  "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": peak,
+                  "rss_peak_load_ratio": peak / max(1, loaded.weight_bytes),
+                  # what loading added on top of the process as it was (torch, the cache's tensors)
+                  "rss_load_added_ratio": (peak - loaded.memory["rss_before_load"]) / max(1, loaded.weight_bytes),
+                  "vram_budget_bytes": loaded.vram_budget, "optimizer": self.t.optimizer, "lora_modules": len(self.adapted),
+                  "lora_parameters": sum(p.numel() for p in self.lora_params), **loaded.memory}
+        self.metrics.write(record)
+        t = self.t
+        print(f"{self.family.name} transformer: {bytes_text(loaded.weight_bytes)} of weights, {len(self.adapted)} "
+              f"LoRA modules (rank {t.lora_rank}, alpha {self.alpha:g}), "
+              f"engine {'on ' + str(self.device) if self.engine_config is not None else 'off'}; "
+              + host_ram_on_load(peak, loaded.memory["rss_before_load"], loaded.weight_bytes), flush=True)
 
-    per_epoch = len(epoch_order(items, t.repeats, t.batch_size, t.seed, 0))
-    steps_per_epoch = max(1, per_epoch // t.gradient_accumulation_steps)
-    total = t.num_epochs * steps_per_epoch if t.num_epochs is not None else t.steps
-    scheduler_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_scheduler, t.lr_warmup_steps, total))
-    gen = torch.Generator("cpu").manual_seed(t.seed)
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "order": epoch_order(items, t.repeats, t.batch_size,
-                                                                                        t.seed, 0)}
+    def _schedule(self) -> None:
+        t = self.t
+        per_epoch = len(epoch_order(self.items, t.repeats, t.batch_size, t.seed, 0))
+        steps_per_epoch = max(1, per_epoch // t.gradient_accumulation_steps)
+        self.total = t.num_epochs * steps_per_epoch if t.num_epochs is not None else t.steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.lr_scheduler, t.lr_warmup_steps, self.total))
+        self.gen = torch.Generator("cpu").manual_seed(t.seed)
+        self.progress.order = epoch_order(self.items, t.repeats, t.batch_size, t.seed, 0)
 
-    # 4. resume: the optimizer, the LR schedule, the generator and the place in the data
-    if latest is not None:
+    def _resume(self, latest: Path) -> None:
+        """The optimizer, the LR schedule, the generator and the place in the data (the LoRA went in at load)."""
         opt_state = torch.load(latest / "optimizer.pt", weights_only=True)
-        optimizer.load_state_dict(opt_state["optimizer"])
-        scheduler_lr.load_state_dict(opt_state["lr_scheduler"])
+        self.optimizer.load_state_dict(opt_state["optimizer"])
+        self.lr_schedule.load_state_dict(opt_state["lr_scheduler"])
         saved = torch.load(latest / "state.pt", weights_only=True)
-        gen.set_state(saved["generator"])
-        state.update({k: saved[k] for k in ("step", "epoch", "position", "order")})
-        emit_event(run_dir, "resumed", step=state["step"], checkpoint=str(latest))
+        self.gen.set_state(saved["generator"])
+        self.progress = Progress(**{k: saved[k] for k in ("step", "epoch", "position", "order")})
+        if self.t.ema is not None and (latest / "ema.safetensors").is_file():
+            from safetensors.torch import load_file
 
-    samples = _Samples(family, vae, scheduler, prompts, texts, outputs, device, dtype, cap) if keep_vae else None
+            self.ema = load_file(str(latest / "ema.safetensors"))
+        emit_event(self.run_dir, "resumed", step=self.progress.step, checkpoint=str(latest))
 
-    def save_checkpoint() -> Path:
-        from safetensors.torch import save_file
+    # ------------------------------------------------------------------ the loop
 
-        lora = trainable_state(model)
-        path = ckpts.save(state["step"], {
-            "trainable.safetensors": lambda p: save_file(lora, str(p)),
-            "optimizer.pt": lambda p: torch.save({"optimizer": optimizer.state_dict(),
-                                                  "lr_scheduler": scheduler_lr.state_dict()}, p),
-            "state.pt": lambda p: torch.save({"generator": gen.get_state(), "step": state["step"],
-                                              "epoch": state["epoch"], "position": state["position"],
-                                              "order": state["order"]}, p),
-        })
-        emit_event(run_dir, "checkpoint", step=state["step"], path=str(path))
-        return path
+    def run(self) -> dict[str, Any]:
+        """Step until the total (or a stop), then write the LoRA file."""
+        # What exists now lives as long as the loop does: frozen out of the cycle collector's sight, a
+        # full collection scans only what the steps allocate (in the bench's Flux-dev dims LoRA process
+        # on the H200, 633k tracked objects made each full collection take 0.3-0.5 s, about one step in
+        # ten; after gc.freeze() 5 ms). train() unfreezes them when this returns or raises.
+        gc.collect()
+        gc.freeze()
+        emit_event(self.run_dir, "gc_frozen", objects=gc.get_freeze_count())
+        self.watch.phase("train")
+        controls = Controls(self.run_dir)
+        controls.install_sigterm()
+        self.model.train()
+        self.bar = progress_bar(self.total, initial=self.progress.step)
+        self.last_save = time.monotonic()
+        self.t_start, self.start_step = time.monotonic(), self.progress.step
+        stopped = False
+        while self.progress.step < self.total and not stopped:
+            t_step = time.perf_counter()
+            values = self.train_step()
+            values[Metric.step_seconds] = time.perf_counter() - t_step
+            if self.ema is not None:
+                values[Metric.ema_distance] = self._update_ema()
+            if self._validation_due():
+                values[Metric.val_loss] = self.validate()
+            self.log(values)
+            stopped = self._between_steps(controls.poll())
+        self.bar.close()
+        return self.finish(stopped)
 
-    def next_batch() -> list[int]:
-        if state["position"] >= len(state["order"]):
-            state["epoch"] += 1
-            state["position"] = 0
-            state["order"] = epoch_order(items, t.repeats, t.batch_size, t.seed, state["epoch"])
-        batch = state["order"][state["position"]]
-        state["position"] += 1
+    def _next_batch(self) -> list[int]:
+        pr, t = self.progress, self.t
+        if pr.position >= len(pr.order):
+            pr.epoch += 1
+            pr.position = 0
+            pr.order = epoch_order(self.items, t.repeats, t.batch_size, t.seed, pr.epoch)
+        batch = pr.order[pr.position]
+        pr.position += 1
         return batch
 
-    # 5. the loop. What exists now lives as long as the loop does: frozen out of the cycle
-    # collector's sight, a full collection scans only what the steps allocate (in the bench's
-    # Flux-dev dims LoRA process on the H200, 633k tracked objects made each full collection take
-    # 0.3-0.5 s, about one step in ten; after gc.freeze() 5 ms). train() unfreezes them when this
-    # returns or raises.
-    gc.collect()
-    gc.freeze()
-    emit_event(run_dir, "gc_frozen", objects=gc.get_freeze_count())
-    watch.phase("train")
-    controls = Controls(run_dir)
-    controls.install_sigterm()
-    model.train()
-    bar = progress_bar(total, initial=state["step"])
-    last_save = time.monotonic()
-    t_start, start_step = time.monotonic(), state["step"]
-    stopped = False
-    while state["step"] < total:
-        t_step = time.perf_counter()
+    def _loss(self, batch: list[int]) -> torch.Tensor:
+        t, device, dtype = self.t, self.device, self.dtype
+        x0 = torch.stack([self.latents[i] for i in batch]).to(device, dtype)
+        captions = [self.items[i].caption for i in batch]
+        if t.caption_dropout > 0:  # drawn only when on, so the noise stream is the same as before otherwise
+            dropped = (torch.rand(len(batch), generator=self.gen) < t.caption_dropout).tolist()
+            captions = ["" if drop else c for c, drop in zip(captions, dropped)]
+            self.captions_dropped += sum(dropped)
+        text = self.family.collate_text([self.texts[c] for c in captions], device, dtype)
+        noise = torch.randn(x0.shape, generator=self.gen).to(device, dtype)
+        sigmas = sample_sigmas(len(batch), t.timestep_sampling, t.discrete_flow_shift, self.gen)
+        return self._flow_loss(x0, text, noise, sigmas)
+
+    def _flow_loss(self, x0: torch.Tensor, text: Any, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """Flow matching: x_t = (1 - sigma) x0 + sigma noise; the model predicts noise - x0."""
+        family, device, dtype = self.family, self.device, self.dtype
+        s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(device, dtype)
+        noisy = (1 - s) * x0 + s * noise
+        out = self.model(**family.model_inputs(self.model, noisy, sigmas.to(device), text, self.t.guidance_scale))[0]
+        return F.mse_loss(family.prediction(out, x0).float(), (noise - x0).float())
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over gradient_accumulation_steps micro-batches: the mean loss and the grad norm."""
+        t = self.t
         loss_value = 0.0
+        self.captions_dropped = 0
         for _ in range(t.gradient_accumulation_steps):
-            batch = next_batch()
-            x0 = torch.stack([latents[i] for i in batch]).to(device, dtype)
-            text = family.collate_text([texts[items[i].caption] for i in batch], device, dtype)
-            noise = torch.randn(x0.shape, generator=gen).to(device, dtype)
-            sigmas = sample_sigmas(len(batch), t.timestep_sampling, t.discrete_flow_shift, gen)
-            s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(device, dtype)
-            noisy = (1 - s) * x0 + s * noise
-            out = model(**family.model_inputs(model, noisy, sigmas.to(device), text, t.guidance_scale))[0]
-            loss = F.mse_loss(family.prediction(out, x0).float(), (noise - x0).float())
+            loss = self._loss(self._next_batch())
             value = float(loss.detach())
             if not math.isfinite(value):
-                raise NonFiniteLoss(state["step"] + 1, value)
+                raise NonFiniteLoss(self.progress.step + 1, value)
             (loss / t.gradient_accumulation_steps).backward()
             loss_value += value / t.gradient_accumulation_steps
-        if loaded.handle is not None:
-            loaded.handle.after_backward()
+        if self.loaded.handle is not None:
+            self.loaded.handle.after_backward()
         grad_norm = None
         if t.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_params, t.max_grad_norm))
-        optimizer.step()
-        scheduler_lr.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
-        step = state["step"]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, t.max_grad_norm))
+        self.optimizer.step()
+        self.lr_schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        values = {Metric.loss: loss_value, Metric.grad_norm: grad_norm}
+        if t.caption_dropout > 0:
+            values[Metric.captions_dropped] = self.captions_dropped
+        return values
 
-        elapsed = time.monotonic() - t_start
-        rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
-        record = StepMetrics(step=step, total_steps=total, loss=loss_value, lr=scheduler_lr.get_last_lr()[0],
-                             grad_norm=grad_norm, epoch=state["epoch"], it_s=rate,
-                             step_seconds=time.perf_counter() - t_step,
-                             eta_seconds=(total - step) / rate if rate > 0 else None, host_rss_bytes=watch.sample(),
-                             host_total_bytes=watch.total)
-        metrics.write_step(record, loaded.stats())
-        bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-        bar.update(1)
+    def _update_ema(self) -> float:
+        """ema = decay * ema + (1 - decay) * lora, in fp32 on the CPU; returns their L2 distance."""
+        assert self.ema is not None
+        decay, squares = float(self.t.ema), 0.0
+        for name, value in trainable_state(self.model).items():
+            avg = self.ema[name]
+            avg.mul_(decay).add_(value.float(), alpha=1 - decay)
+            squares += float((avg - value.float()).pow(2).sum())
+        return math.sqrt(squares)
 
-        actions = controls.poll()
+    def _validation_due(self) -> bool:
+        v, step = self.t.validation, self.progress.step
+        return v is not None and (step % v.every == 0 or step >= self.total)
+
+    def validate(self) -> float:
+        """Mean loss over the held-out items at the fixed sigmas, with the same noise every time."""
+        v, device, dtype = self.t.validation, self.device, self.dtype
+        assert v is not None
+        gen = torch.Generator("cpu").manual_seed(v.seed)
+        losses = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for it, latent in zip(self.val_items, self.val_latents):
+                    x0 = latent.unsqueeze(0).to(device, dtype)
+                    text = self.family.collate_text([self.texts[it.caption]], device, dtype)
+                    for sigma in v.timesteps:
+                        noise = torch.randn(x0.shape, generator=gen).to(device, dtype)
+                        losses.append(float(self._flow_loss(x0, text, noise, torch.tensor([sigma]))))
+        finally:
+            self.model.train(was_training)
+        return sum(losses) / len(losses)
+
+    def log(self, values: dict[str, Any]) -> None:
+        """The step's line in metrics.jsonl (with the engine's stats), the extra loggers and the progress bar."""
+        step, total = self.progress.step, self.total
+        elapsed = time.monotonic() - self.t_start
+        rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
+        record = StepMetrics(step=step, total_steps=total, loss=values[Metric.loss], lr=self.lr_schedule.get_last_lr()[0],
+                             grad_norm=values[Metric.grad_norm], epoch=self.progress.epoch, it_s=rate,
+                             step_seconds=values[Metric.step_seconds],
+                             eta_seconds=(total - step) / rate if rate > 0 else None,
+                             host_rss_bytes=self.watch.sample(), host_total_bytes=self.watch.total)
+        record.update({k: values[k] for k in (Metric.ema_distance, Metric.val_loss, Metric.captions_dropped)  # type: ignore[misc]
+                       if k in values})
+        self.metrics.write_step(record, self.loaded.stats())
+        self.loggers.write(step, {k: record[k] for k in _TO_LOGGERS if record.get(k) is not None})
+        self.bar.set_postfix(loss=f"{values[Metric.loss]:.4f}", refresh=False)
+        self.bar.update(1)
+
+    def _between_steps(self, actions: set[str]) -> bool:
+        """Checkpoints, samples and controls after a step; True when the job was asked to stop."""
+        t, step = self.t, self.progress.step
         due_save = (t.save_every and step % t.save_every == 0) or "save" in actions or (
-            t.save_every_minutes and time.monotonic() - last_save >= 60 * t.save_every_minutes)
-        if "stop" in actions:
-            stopped = True
-        if step >= total or stopped or due_save:
-            save_checkpoint()
-            last_save = time.monotonic()
-        if samples is not None and ((t.sample_every and step % t.sample_every == 0) or "sample" in actions):
-            paths = samples.render(model, step)
-            emit_event(run_dir, "samples", step=step, paths=paths)
+            t.save_every_minutes and time.monotonic() - self.last_save >= 60 * t.save_every_minutes)
+        stopped = "stop" in actions
+        if step >= self.total or stopped or due_save:
+            self.save_checkpoint()
+            self.last_save = time.monotonic()
+        if self.samples is not None and ((t.sample_every and step % t.sample_every == 0) or "sample" in actions):
+            self.sample()
         elif "sample" in actions:
-            emit_event(run_dir, "samples", step=step, paths=[], message="no sample_prompts (or sample_every) set")
+            emit_event(self.run_dir, "samples", step=step, paths=[], message="no sample_prompts (or sample_every) set")
         if stopped:
-            emit_event(run_dir, "stopped", step=step, message="stopped on request after a checkpoint")
-            break
-    bar.close()
+            emit_event(self.run_dir, "stopped", step=step, message="stopped on request after a checkpoint")
+        return stopped
 
-    # 6. the LoRA file
-    lora_path = outputs / f"{t.output_name}.safetensors"
-    export_lora(model, family, lora_path, rank=t.lora_rank, alpha=alpha,
-                metadata={"offload_jobs.base_model": str(model_dir), "offload_jobs.step": state["step"],
-                          "offload_jobs.targets": ",".join(targets)})
-    summary = {"done": True, "lora": str(lora_path), "family": family.name, "step": state["step"],
-               "stopped_early": stopped, "checkpoints": ckpts.complete(), "samples": samples.last if samples else [],
-               "host_rss_peak_bytes": watch.peak, "host_rss_peaks": watch.peaks, Metric.weight_bytes: loaded.weight_bytes,
-               "cache": counts}
-    rnd.write_params(outputs / "train_summary.json", summary)
-    metrics.write({"phase": "done", "step": state["step"], "lora": str(lora_path), "host_rss_peak_bytes": watch.peak})
-    print(f"LoRA written to {lora_path} ({state['step']} steps)", flush=True)
-    if loaded.handle is not None:
-        loaded.handle.remove()
-    return summary
+    def save_checkpoint(self) -> Path:
+        """An atomic checkpoint: the LoRA, the optimizer and LR schedule, the generator and the place in the data."""
+        from safetensors.torch import save_file
+
+        lora = trainable_state(self.model)
+        state = {"generator": self.gen.get_state(), **self.progress.as_dict()}
+        files = {
+            "trainable.safetensors": lambda p: save_file(lora, str(p)),
+            "optimizer.pt": lambda p: torch.save({"optimizer": self.optimizer.state_dict(),
+                                                  "lr_scheduler": self.lr_schedule.state_dict()}, p),
+            "state.pt": lambda p: torch.save(state, p),
+        }
+        if self.ema is not None:
+            ema = {n: v.contiguous() for n, v in self.ema.items()}
+            files["ema.safetensors"] = lambda p: save_file(ema, str(p))
+        path = self.ckpts.save(self.progress.step, files)
+        emit_event(self.run_dir, "checkpoint", step=self.progress.step, path=str(path))
+        return path
+
+    def sample(self) -> list[str]:
+        """Render the sample prompts with the transformer being trained."""
+        assert self.samples is not None
+        paths = self.samples.render(self.model, self.progress.step)
+        emit_event(self.run_dir, "samples", step=self.progress.step, paths=paths)
+        return paths
+
+    def finish(self, stopped: bool) -> dict[str, Any]:
+        """The LoRA file and the summary."""
+        t, step = self.t, self.progress.step
+        lora_path = self.outputs / f"{t.output_name}.safetensors"
+        metadata = {"offload_jobs.base_model": str(self.model_dir), "offload_jobs.step": step,
+                    "offload_jobs.targets": ",".join(self.targets)}
+        export_lora(self.model, self.family, lora_path, rank=t.lora_rank, alpha=self.alpha, metadata=metadata)
+        ema_path = None
+        if self.ema is not None:  # beside the raw one
+            ema_path = self.outputs / f"{t.output_name}_ema.safetensors"
+            export_lora(self.model, self.family, ema_path, rank=t.lora_rank, alpha=self.alpha,
+                        metadata={**metadata, "offload_jobs.ema_decay": t.ema}, state=self.ema)
+        watch = self.watch
+        summary = {"done": True, "lora": str(lora_path), "family": self.family.name, "step": step,
+                   "stopped_early": stopped, "checkpoints": self.ckpts.complete(),
+                   "samples": self.samples.last if self.samples else [], "host_rss_peak_bytes": watch.peak,
+                   "host_rss_peaks": watch.peaks, Metric.weight_bytes: self.loaded.weight_bytes, "cache": self.cache_counts,
+                   "lora_ema": str(ema_path) if ema_path else None}
+        rnd.write_params(self.outputs / "train_summary.json", summary)
+        self.metrics.write({"phase": "done", "step": step, "lora": str(lora_path), "host_rss_peak_bytes": watch.peak})
+        print(f"LoRA written to {lora_path} ({step} steps)", flush=True)
+        if self.loaded.handle is not None:
+            self.loaded.handle.remove()
+        return summary

@@ -359,7 +359,8 @@ def test_rebuild_after_a_source_change_reuses_the_dependency_layer(stack: Stack,
     same as the first image's, and only the project's layers differ."""
     ctx = tmp_path / "ctx"
     ctx.mkdir()
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "compose.yaml", "compose.cpu.yaml"):
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "compose.yaml", "compose.cpu.yaml",
+                 "byte_sizes.py"):
         shutil.copy2(REPO / name, ctx / name)
     for name in ("offload_core", "jobs", "tui", "examples", "scripts"):
         shutil.copytree(REPO / name, ctx / name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -220,3 +220,25 @@ def test_200_generated_bad_specs_name_their_field(case: tuple[dict, str]) -> Non
         path, str(e.value))
     assert path.split(".")[-1] in str(e.value)
     assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("train, field", [
+    ({"optimizer": "sgd"}, "train.optimizer"),
+    ({"caption_dropout": 1.5}, "train.caption_dropout"),
+    ({"ema": 1.0}, "train.ema"),
+    ({"validation": {"items": 0}}, "train.validation.items"),
+    ({"validation": {"timesteps": [0.0]}}, "train.validation.timesteps[0]"),
+    ({"log_to": "mlflow"}, "train.log_to[0]"),
+])
+def test_trainer_options_name_the_field(train: dict, field: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"kind": "train", "model": {"path": "m"}, "train": train})
+    assert e.value.field == field
+
+
+def test_trainer_options_parse() -> None:
+    t = parse_spec({"kind": "train", "model": {"path": "m"}, "train": {
+        "trigger_word": "sks", "default_caption": "a photo", "caption_dropout": 0.1, "optimizer": "adafactor",
+        "ema": 0.999, "validation": {"items": ["a.png"], "every": 10}, "log_to": "tensorboard"}}).train
+    assert (t.optimizer, t.ema, t.log_to, t.validation.items, t.validation.timesteps) == (
+        "adafactor", 0.999, ["tensorboard"], ["a.png"], [0.25, 0.5, 0.75])

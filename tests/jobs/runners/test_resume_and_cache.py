@@ -96,9 +96,9 @@ def test_a_changed_caption_recomputes_one_text_embedding_and_no_latent(client, t
 
 def test_cancel_saves_then_retry_resumes_with_optimizer_offload(client, tiny: dict[str, Path]) -> None:
     """SIGTERM (cancel) checkpoints at the step boundary; the retry continues bitwise, with the optimizer
-    on the CPU (enable_optimizer_cpu_offload) and gradient accumulation."""
-    spec = train_spec(tiny, "flux", steps=16, save_every=None, enable_optimizer_cpu_offload=True,
-                      gradient_accumulation_steps=2)
+    on the CPU (offload.enable_optimizer_cpu_offload) and gradient accumulation."""
+    spec = train_spec(tiny, "flux", steps=16, save_every=None, gradient_accumulation_steps=2)
+    spec["offload"]["enable_optimizer_cpu_offload"] = True
     victim = client.submit(spec)
     reference = client.submit(spec)
     rd = Path(client.get(victim["id"])["run_dir"])

@@ -1,0 +1,105 @@
+"""One place for offload settings: `offload:` in a spec, mapped once to the engine's OffloadConfig.
+
+The old train.* keys still run, with a deprecation line naming the new key, and give the same
+losses as the new keys; resources.vram_budget reaches the engine when offload sets no budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner_helpers import log, run_job, step_records, strict_lines, train_spec, run_dir
+
+from jobs.spec import json_schema, parse_spec
+
+
+def test_old_train_keys_run_with_a_deprecation_line_and_the_same_losses(client, tiny: dict[str, Path]) -> None:
+    old = train_spec(tiny, "flux", steps=4, save_every=None, enable_optimizer_cpu_offload=True,
+                     cpu_offload_split_threshold=1000.0)
+    new = train_spec(tiny, "flux", steps=4, save_every=None)
+    new["offload"].update(enable_optimizer_cpu_offload=True, split_threshold_mb=1000.0)
+    first, second = client.submit(old), client.submit(new)
+    got, want = client.wait(first["id"], timeout=240), client.wait(second["id"], timeout=240)
+    assert got["status"] == want["status"] == "SUCCEEDED", log(got)[-2000:]
+    text = log(got)
+    assert "train.enable_optimizer_cpu_offload is deprecated" in text and "use offload.enable_optimizer_cpu_offload" in text
+    assert "use offload.split_threshold_mb" in text
+    assert "deprecated" not in log(want)
+    # the old key really switched optimizer offload on: both runs are bitwise the same
+    assert [r["loss"] for r in step_records(got)] == [r["loss"] for r in step_records(want)]
+
+
+def test_model_offload_off_keeps_the_transformer_resident(client, tiny: dict[str, Path]) -> None:
+    spec = train_spec(tiny, "flux", steps=2, save_every=None, enable_model_cpu_offload=False)
+    job = run_job(client, spec)
+    assert job["status"] == "SUCCEEDED", log(job)[-2000:]
+    assert "use offload.enabled" in log(job) and "engine off" in log(job)
+    assert "h2d_bytes" not in step_records(job)[-1]  # no engine, no engine stats
+
+
+def test_resources_vram_budget_reaches_the_engine(client, tiny: dict[str, Path]) -> None:
+    spec = train_spec(tiny, "flux", steps=2, save_every=None)
+    spec["resources"]["vram_budget"] = "1e9"  # the one parser takes what jobs' took
+    job = run_job(client, spec)
+    assert job["status"] == "SUCCEEDED", log(job)[-2000:]
+    load = next(r for r in strict_lines(run_dir(job) / "metrics.jsonl") if r.get("phase") == "load")
+    assert load["vram_budget_bytes"] == 10**9
+    spec["offload"]["vram_budget"] = "2GB"  # the offload section wins
+    job = run_job(client, spec)
+    load = next(r for r in strict_lines(run_dir(job) / "metrics.jsonl") if r.get("phase") == "load")
+    assert load["vram_budget_bytes"] == 2 * 10**9
+
+
+def test_schema_has_one_offload_section() -> None:
+    schema = json_schema()
+    offload_keys = {"enable_model_cpu_offload", "enable_optimizer_cpu_offload", "cpu_offload_split_threshold"}
+    assert not offload_keys & set(schema["$defs"]["TrainSpec"]["properties"])
+    assert {"enabled", "enable_optimizer_cpu_offload", "split_threshold_mb"} <= set(schema["$defs"]["OffloadSpec"]["properties"])
+    sections = [name for name, d in schema["$defs"].items() if "split_threshold_mb" in d.get("properties", {})
+                or "enable_optimizer_cpu_offload" in d.get("properties", {})]
+    assert sections == ["OffloadSpec"]
+
+
+def test_an_old_key_that_contradicts_the_new_one_names_both() -> None:
+    import pytest
+
+    from jobs.errors import SpecError
+
+    with pytest.raises(SpecError) as e:
+        parse_spec({"kind": "train", "model": {"path": "m"}, "train": {"enable_model_cpu_offload": True},
+                    "offload": {"enabled": False}})
+    assert e.value.field == "train.enable_model_cpu_offload" and "offload.enabled" in str(e.value)
+    spec = parse_spec({"kind": "train", "model": {"path": "m"}, "train": {"enable_model_cpu_offload": False}})
+    assert spec.offload.enabled is False
+    assert spec.deprecations() == ["train.enable_model_cpu_offload is deprecated (read for one more release): "
+                                   "use offload.enabled"]
+
+
+def test_one_size_parser_for_the_engine_and_the_spec() -> None:
+    import pytest
+
+    import offload_core
+    from jobs.spec import parse_bytes
+    from offload_core.errors import OffloadConfigError
+
+    for text, want in (("1e9", 10**9), ("7.5GiB", int(7.5 * 2**30)), ("512MB", 512 * 10**6), (4096, 4096)):
+        assert offload_core.parse_bytes(text) == parse_bytes(text) == want
+    assert offload_core.OffloadConfig(vram_budget="1e9").vram_budget == 10**9
+    with pytest.raises(OffloadConfigError, match="vram_budget: is larger than 1 EiB"):
+        offload_core.OffloadConfig(vram_budget="2e18")
+
+
+def test_validate_prints_the_deprecation_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "old.yaml"
+    spec.write_text("kind: train\nmodel:\n  path: /models/x\ntrain:\n  dataset: /data/x\n"
+                    "  enable_optimizer_cpu_offload: true\n")
+    env = {**os.environ, "OFFLOAD_JOBS_HOME": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", str(spec)], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    assert ("train.enable_optimizer_cpu_offload is deprecated (read for one more release): "
+            "use offload.enable_optimizer_cpu_offload") in res.stderr
