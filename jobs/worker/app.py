@@ -186,6 +186,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                       gpu_vram=[g.memory_total for g in gpus], worker_id=ident.id, heartbeat=heartbeat,
                       max_slurm_jobs=max_slurm_jobs)
     heartbeat.on_reaped = lambda job: sched.wake()
+    heartbeat.find_end = sched.find_end
     listener = None
     if store.is_postgres:
         from jobs.worker.listen import Listener
