@@ -144,6 +144,29 @@ class StoreBase:
             # pysqlite's implicit transactions defeat BEGIN IMMEDIATE; take control of them.
             event.listen(self.engine, "begin", _sqlite_begin)
         self.migrate()
+        self._file_id = self._stat_file()
+
+    def _stat_file(self) -> tuple[int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check_file(self) -> None:
+        """SQLite: raise StoreError when the store's file is no longer the one this process opened (deleted,
+        or replaced by another file): what is written now would land in a file no one reads again."""
+        if self.path is None or self._file_id is None:
+            return
+        now = self._stat_file()
+        if now == self._file_id:
+            return
+        how = "deleted" if now is None else "replaced by another file"
+        raise StoreError(f"the store file {self.path} was {how} under this running worker; it accepts no "
+                         "submits: stop it, then restore the file, or start it with --rebuild-store to rebuild "
+                         "the store from the run dirs")
 
     def close(self) -> None:
         self.engine.dispose()
