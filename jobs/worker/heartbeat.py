@@ -210,7 +210,8 @@ class Heartbeat:
             silent = self.timeout + a.get("overdue_s", 0.0)
             msg = (f"worker {holder} stopped renewing its lease (silent for about {silent:.0f}s); "
                    + ("the attempt had not started" if never_ran else "the attempt is lost"))
-            end = None if never_ran or self.find_end is None else self.find_end(a)
+            # A STARTING attempt whose run dir says it ran (its RUNNING commit was lost) is judged by that too.
+            end = None if self.find_end is None else self.find_end(a)
             try:
                 if end is not None:
                     job = self._record_found_end(a, end, holder, retry_on)

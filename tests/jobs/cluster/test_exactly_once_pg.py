@@ -144,11 +144,13 @@ def _kill_and_outage(tmp_path: Path, server: PostgresServer, workers: list[Clust
     for w in (a, b, c):
         workers.append(w.start())
     with b.client() as cb:
-        ids = [cb.submit(ledger_job(book, seconds=0.5 + (i % 4) * 0.5, name=f"p{i}"))["id"] for i in range(n_jobs)]
+        ids = [cb.submit(ledger_job(book, seconds=8.0 if i % 5 == 0 else 0.5 + (i % 4) * 0.5, name=f"p{i}"))["id"] for i in range(n_jobs)]
         _kill_after_an_end(a)  # right after a job of wa's ended: its end is only in its run dir
         wait_until(lambda: sum(1 for j in cb.list(summary=True) if j["status"] == "RUNNING") >= 2, 60,
                    what="jobs running on the survivors")
-        _pg_ctl(server, "-m", "immediate", "-w", "stop")
+        # Down, not amnesic: a fast stop keeps what it acknowledged (this throwaway server runs with
+        # synchronous_commit=off, under which an immediate stop forgets its last commits).
+        _pg_ctl(server, "-m", "fast", "-w", "stop")
         time.sleep(outage_s)  # longer than the lease: every attempt's lease runs out
         _pg_ctl(server, "-l", str(server.data_dir / "server.log"), "-w", "-t", "60", "start")
         jobs = wait_all(cb, ids, timeout=120 + n_jobs * 2)
@@ -157,6 +159,9 @@ def _kill_and_outage(tmp_path: Path, server: PostgresServer, workers: list[Clust
         counts["started_twice"] = sum(1 for r in runs.values() if r.count("start") > 1)
         counts["ran_once"] = sum(1 for r in runs.values() if r.count("end") == 1)
         counts["recorded_from_run_dir"] = sum(1 for i in ids if "was read from its run dir" in cb.logs(i)["data"])
+        for i in ids:
+            if runs[i].count("end") != 1:
+                print(f"\n{i}: ledger {ledger(book, i)}; attempts {cb.get(i)['attempts']}\n{cb.logs(i)['data']}")
         print(f"\n[kill + {outage_s:g}s outage, {n_jobs} jobs, 3 workers, lease {TIMEOUT:g}s] {counts}; "
               f"statuses {sorted({j['status'] for j in jobs.values() if j['id'] in ids})}")
     assert tagged_processes(set(ids)) == []
