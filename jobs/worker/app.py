@@ -110,6 +110,13 @@ def open_store(home: Path, url: str | None = None) -> JobStore:
     if problem is not None:
         store.close()
         raise StoreError(f"{db} is corrupt ({problem}); {advice}")
+    from jobs.store_rebuild import check_history  # run dirs the store knows nothing of: it lost its history
+
+    try:
+        check_history(store, home)
+    except StoreError:
+        store.close()
+        raise
     return store
 
 
