@@ -192,6 +192,10 @@ class StoreBase:
         except DatabaseError as exc:
             if not self.is_sqlite:
                 raise StoreError(f"cannot open or migrate store {self.path_label}: {db_message(exc)}") from None
+            if self.path is not None and _disk_full(self.path.parent):
+                # Not a damaged store: SQLite says "disk I/O error" when it cannot make its -wal/-shm files.
+                raise StoreError(f"cannot open store {self.path_label} ({db_message(exc)}): the disk is full "
+                                 f"({self.path.parent} has no free space); free some space and start again") from None
             raise StoreError(
                 f"{self.path_label} is not a readable job store ({db_message(exc)}); restore it from a backup, "
                 f"or move it aside (mv {self.path_label} {self.path_label}.broken) to start an empty store"
@@ -240,6 +244,15 @@ class StoreBase:
     def _read(self) -> Iterator[Connection]:
         with self.engine.connect() as conn:
             yield conn.execution_options(readonly=True)
+
+
+def _disk_full(path: Path, floor: int = 1 << 20) -> bool:
+    """Less than `floor` bytes free for us on `path`'s filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < floor
 
 
 def _sqlite_begin(conn: Connection) -> None:
