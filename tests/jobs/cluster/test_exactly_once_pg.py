@@ -114,6 +114,37 @@ def test_a_re_run_is_named_and_the_first_result_kept_when_no_survivor_reads_the_
         assert cb.logs(job_id)["data"].count("is a re-run") == 1
 
 
+def test_a_late_end_found_before_the_retry_started_settles_the_job_with_one_run(
+        tmp_path: Path, pg_url: str, workers) -> None:
+    book, gate = tmp_path / "ledger", tmp_path / "gate"
+    book.mkdir()
+    a = _worker(tmp_path, "wa", pg_url, "--max-cpu-jobs", "1", faults="ended=120")
+    workers.append(a.start())
+    with a.client() as ca:
+        job_id = ca.submit(ledger_job(book, name="late"))["id"]
+        _kill_after_an_end(a)
+    runs = a.home / "runs"
+    runs.rename(a.home / "runs.away")  # the survivor cannot read it, and has no slot for the retry
+    b = _worker(tmp_path, "wb", pg_url, "--max-cpu-jobs", "1")
+    workers.append(b.start())
+    with b.client() as cb:
+        blocker = cb.submit(ledger_job(book, gate=gate, name="blocker"))["id"]
+        wait_until(lambda: cb.get(blocker)["status"] == "RUNNING", 30, what="wb's slot taken")
+        wait_until(lambda: cb.get(job_id)["status"] == "PENDING", TIMEOUT + 30, what="wa's attempt reaped")
+        assert cb.get(job_id)["attempts"][0]["reason"] == "worker_lost"
+        (a.home / "runs.away").rename(runs)
+        a.extra_env.pop("OFFLOAD_JOBS_FAULTS")
+        a.start()  # it settles what it finds before it claims anything
+        wait_until(lambda: cb.get(job_id)["status"] == "SUCCEEDED", 30, what="the late end recorded")
+        job = cb.get(job_id)
+        assert job["attempt"] == 1 and [(x["number"], x["status"], x["exit_code"]) for x in job["attempts"]] == [
+            (1, "SUCCEEDED", 0)]
+        assert [ln[0] for ln in ledger(book, job_id)] == ["start", "end"]  # one run: the retry never started
+        assert "no re-run" in cb.logs(job_id)["data"]
+        gate.touch()
+        wait_all(cb, [blocker], timeout=30)
+
+
 # ---------------------------------------------------------------- the probe: a kill and an outage
 
 def _pg_ctl(server: PostgresServer, *args: str) -> None:
