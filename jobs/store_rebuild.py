@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -66,12 +67,40 @@ def lost_run_dirs(store: Any, home: Path) -> list[str]:
     with store.engine.connect() as conn:
         for i in range(0, len(ids), 500):
             known.update(conn.execute(select(jobs_t.c.id).where(jobs_t.c.id.in_(ids[i:i + 500]))).scalars())
-    lost = [i for i in ids if i not in known]
+    lost = [i for i in ids if i not in known and not _unborn(dirs[i])]
     return sorted(lost, key=lambda i: _mtime(dirs[i] / "spec.yaml"))
 
 
+def _unborn(path: Path) -> bool:
+    """A submit that never committed (the worker died between making the run dir and the job): no
+    event at all, not even job.created, which is written only once the job is in the store."""
+    try:
+        outputs = os.listdir(path / "outputs")
+    except OSError:
+        outputs = []
+    return not _read(path / "events.jsonl", 1) and not _read(path / "output.log", 1) and not outputs
+
+
+def _remove_unborn(store: Any, home: Path) -> None:
+    dirs = _run_dirs(home)
+    if not dirs:
+        return
+    known: set[str] = set()
+    ids = sorted(dirs)
+    with store.engine.connect() as conn:
+        for i in range(0, len(ids), 500):
+            known.update(conn.execute(select(jobs_t.c.id).where(jobs_t.c.id.in_(ids[i:i + 500]))).scalars())
+    for job_id in ids:
+        if job_id not in known and _unborn(dirs[job_id]):
+            log.warning("removing %s: a submit that never reached the store (the worker died mid-submit)",
+                        dirs[job_id])
+            shutil.rmtree(dirs[job_id], ignore_errors=True)
+
+
 def check_history(store: Any, home: Path) -> None:
-    """Refuse (StoreError, one line) a store that holds none of some run dirs' jobs."""
+    """Refuse (StoreError, one line) a store that holds none of some run dirs' jobs (after removing the
+    run dirs of submits that never committed)."""
+    _remove_unborn(store, home)
     lost = lost_run_dirs(store, home)
     if not lost:
         return

@@ -113,3 +113,23 @@ def test_a_store_file_deleted_or_replaced_under_a_running_worker_refuses_submits
             assert len(list((home / "runs").iterdir())) == 1  # no run dir for a refused submit
     finally:
         w.stop()
+
+
+def test_a_run_dir_of_a_submit_cut_before_its_commit_does_not_stop_the_worker(tmp_path: Path) -> None:
+    from jobs.rundir import RunDir
+
+    home = tmp_path / "home"
+    w = WorkerProcess(home).start()
+    try:
+        with w.client() as c:
+            kept = c.submit({"kind": "command", "name": "kept", "command": "true"})["id"]
+            c.wait(kept, timeout=60)
+        w.kill9()
+        # what a kill between making the run dir and committing the job leaves: a spec, no event
+        unborn = RunDir.for_job(home, "0123456789ab").create({"kind": "command", "command": "true"})
+        w.start(timeout=120)
+        assert not unborn.path.exists()
+        with w.client() as c:
+            assert [j["id"] for j in c.list(summary=True)] == [kept]
+    finally:
+        w.stop()
