@@ -108,7 +108,8 @@ def check_history(store: Any, home: Path) -> None:
     shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
     raise StoreError(f"{db} holds no record of {len(lost)} jobs whose run dirs are in {runs} ({shown}): the store "
                      "lost its history (deleted, or its -wal file lost after a crash); start the worker with "
-                     f"--rebuild-store to rebuild them from their run dirs, or restore {db} from a backup")
+                     f"--rebuild-store to rebuild them from their run dirs, restore {db} from a backup, or move "
+                     f"{runs} aside to start empty")
 
 
 def _read(path: Path, limit: int) -> bytes:
