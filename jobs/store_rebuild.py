@@ -178,12 +178,13 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
                           priority=0, gpus=0, max_attempts=1, executor="process", min_vram=0)
             retry_on, executor = [], "process"
         events = _events(path / "events.jsonl")
-        created = next((e["ts"] for e in events if e["type"] == "job.created" and isinstance(e.get("ts"), (int, float))),
-                       _mtime(path / "spec.yaml"))
+        born = [e["ts"] for e in events if e["type"] == "job.created" and isinstance(e.get("ts"), (int, float))]
+        created = born[0] if born else _mtime(path / "spec.yaml")
         attempts: dict[int, dict[str, Any]] = {}
         last: dict[str, Any] = {"status": "PENDING", "attempt": 0}
         for e in events:
-            if e["type"] != "job.status" or not isinstance(e.get("attempt"), int) or not isinstance(e.get("status"), str):
+            if (e["type"] != "job.status" or not isinstance(e.get("attempt"), int)
+                    or not isinstance(e.get("status"), str)):
                 continue
             last = e
             n = e["attempt"]

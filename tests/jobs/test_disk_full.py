@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from jobs_helpers import REPO, WorkerProcess
 from test_exactly_once import fill, small_tmpfs  # noqa: F401  (a fixture)
 

@@ -35,7 +35,8 @@ def _jobs(tmp_path: Path, w: WorkerProcess) -> dict[str, str]:
     with w.client() as c:
         ok = [c.submit({"kind": "command", "name": f"ok{i}", "command": "true"})["id"] for i in range(2)]
         bad = c.submit({"kind": "command", "name": "bad", "command": "exit 3"})["id"]
-        held = c.submit({"kind": "command", "name": "held", "command": f"while [ ! -e {gate} ]; do sleep 0.1; done"})["id"]
+        wait_gate = f"while [ ! -e {gate} ]; do sleep 0.1; done"
+        held = c.submit({"kind": "command", "name": "held", "command": wait_gate})["id"]
         wait_until(lambda: c.get(held)["status"] == "RUNNING", 30, what="the held job running")
         c.cancel(held)
         wait_until(lambda: c.get(held)["status"] == "CANCELLED", 30, what="the held job cancelled")

@@ -175,7 +175,9 @@ def _kill_and_outage(tmp_path: Path, server: PostgresServer, workers: list[Clust
     for w in (a, b, c):
         workers.append(w.start())
     with b.client() as cb:
-        ids = [cb.submit(ledger_job(book, seconds=8.0 if i % 5 == 0 else 0.5 + (i % 4) * 0.5, name=f"p{i}"))["id"] for i in range(n_jobs)]
+        # every 5th job runs long enough to be cut off by its worker's fence during the outage
+        lengths = [8.0 if i % 5 == 0 else 0.5 + (i % 4) * 0.5 for i in range(n_jobs)]
+        ids = [cb.submit(ledger_job(book, seconds=s, name=f"p{i}"))["id"] for i, s in enumerate(lengths)]
         _kill_after_an_end(a)  # right after a job of wa's ended: its end is only in its run dir
         wait_until(lambda: sum(1 for j in cb.list(summary=True) if j["status"] == "RUNNING") >= 2, 60,
                    what="jobs running on the survivors")
