@@ -42,7 +42,9 @@ from jobs.errors import (
 from jobs.home import DEFAULT_URL, read_token, read_worker_info, state_home
 from jobs.contract import TERMINAL
 
-__all__ = ["JobsClient", "TERMINAL_STATES"]
+__all__ = ["JobsClient", "TERMINAL_STATES", "SUBMIT_KEY_HEADER"]
+
+SUBMIT_KEY_HEADER = "Idempotency-Key"  # jobs/worker/intake.py
 
 TERMINAL_STATES = TERMINAL
 
@@ -185,9 +187,36 @@ class JobsClient:
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/healthz")
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Queue a job from a spec dict (e.g. `load_spec(...).model_dump()` or raw YAML data)."""
-        return self._request("POST", "/v1/jobs", json={"spec": spec})
+    def submit(self, spec: dict[str, Any], *, key: str | None = None, confirm_for: float = 30.0) -> dict[str, Any]:
+        """Queue a job from a spec dict (e.g. `load_spec(...).model_dump()` or raw YAML data).
+
+        Every submit carries an idempotency key (`key`, else a fresh one): when the answer is lost
+        (a timeout, the connection cut, the worker killed mid-request) the job may exist or not, so
+        the same submit is asked again with the same key for up to `confirm_for` seconds (the
+        worker returns the job the first one made, or makes it now) before anything is called
+        failed. The job carries `submit_key`; `existing` is True when an earlier submit made it.
+        """
+        key = key or secrets.token_hex(16)
+        headers = {SUBMIT_KEY_HEADER: key}
+        self._ensure_verified()
+        try:
+            return self._check(self._http.post("/v1/jobs", json={"spec": spec}, headers=headers))
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise WorkerUnreachable(self.url, "connection refused") from None  # never sent: nothing to ask
+        except httpx.TransportError as exc:
+            first = "timed out" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
+        deadline = time.monotonic() + confirm_for
+        wait, last = 0.2, first
+        while time.monotonic() < deadline:
+            time.sleep(wait)
+            wait = min(2.0, wait * 2)
+            try:
+                return self._check(self._http.post("/v1/jobs", json={"spec": spec}, headers=headers))
+            except httpx.TransportError as exc:
+                last = "timed out" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
+        raise WorkerUnreachable(self.url, message=(
+            f"the submit to {self.url} was not confirmed ({first}; asked again by its key for {confirm_for:.0f}s: "
+            f"{last}); the job may exist: submit again with --key {key} to get it, or to make it once"))
 
     def validate(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Validate a spec on the worker, with its paths and image checked there; raises SpecError."""

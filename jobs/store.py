@@ -89,18 +89,25 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
     @_writes
     def create_job(self, spec: dict[str, Any], *, kind: str, name: str, priority: int = 0, gpus: int = 0,
                    max_attempts: int = 1, run_dir_for: Callable[[str], str] | None = None,
-                   job_id: str | None = None, min_vram: int = 0, executor: str = "process") -> dict[str, Any]:
+                   job_id: str | None = None, min_vram: int = 0, executor: str = "process",
+                   submit_key: str | None = None) -> dict[str, Any]:
+        """A new PENDING job; with `submit_key`, the job already made for that key when there is one
+        (returned with `existing: True`), so a client that retries a submit never makes two."""
         now = time.time()
         job_id = job_id or self.new_id()
         with self.engine.begin() as conn:
             if self.is_postgres:  # submits on several workers at once: seq stays unique and in order
                 conn.execute(select(func.pg_advisory_xact_lock(0x0FF10AD3)))
+            if submit_key is not None:  # the lock above (Postgres) or the writer lock (SQLite) makes this race-free
+                prior = conn.execute(select(jobs_t.c.id).where(jobs_t.c.submit_key == submit_key)).scalar()
+                if prior is not None:
+                    return {**self._get(conn, prior), "existing": True}
             seq = (conn.execute(select(func.max(jobs_t.c.seq))).scalar() or 0) + 1
             conn.execute(insert(jobs_t).values(
                 id=job_id, seq=seq, name=name, kind=kind, status=JobState.PENDING, priority=priority, gpus=gpus,
                 attempt=0, max_attempts=max_attempts, spec=strict_json.dumps(spec), created_at=now,
                 run_dir=run_dir_for(job_id) if run_dir_for else None, min_vram=int(min_vram or 0),
-                executor=executor,
+                executor=executor, submit_key=submit_key,
             ))
             self.notify_queue(conn)
             self._event(conn, job_id, "job.created", {"status": JobState.PENDING, "name": name, "kind": kind, "attempt": 0})
@@ -109,6 +116,13 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
     @staticmethod
     def new_id() -> str:
         return secrets.token_hex(6)
+
+    @_reads
+    def job_by_key(self, submit_key: str) -> dict[str, Any] | None:
+        """The job a submit with this idempotency key made, if any."""
+        with self._read() as conn:
+            prior = conn.execute(select(jobs_t.c.id).where(jobs_t.c.submit_key == submit_key)).scalar()
+            return self._get(conn, prior) if prior is not None else None
 
     @_reads
     def get_job(self, job_id: str) -> dict[str, Any]:
@@ -265,7 +279,8 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
     def finish_attempt(self, job_id: str, number: int, *, status: str, reason: str | None = None,
                        exit_code: int | None = None, message: str | None = None, requeue: bool | None = None,
                        retry_on: Iterable[str] = (), never_ran: bool = False, worker_id: str | None = None,
-                       only_if_expired: bool = False, output: dict[str, Any] | None = None) -> dict[str, Any]:
+                       only_if_expired: bool = False, output: dict[str, Any] | None = None,
+                       note: str | None = None) -> dict[str, Any]:
         """Close attempt `number`; the job becomes `status`, or PENDING again when it is retried.
 
         The retry is decided here, in the same transaction: `requeue` forces it; otherwise a FAILED
@@ -286,8 +301,66 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         with self.engine.begin() as conn:
             job, closed = self._finish(conn, job_id, number, status=status, reason=reason, exit_code=exit_code,
                                        message=message, requeue=requeue, retry_on=retry_on, never_ran=never_ran,
-                                       worker_id=worker_id, only_if_expired=only_if_expired, output=output)
+                                       worker_id=worker_id, only_if_expired=only_if_expired, output=output,
+                                       note=note)
             return {**job, "recorded": closed}
+
+    @_writes
+    def record_late_end(self, job_id: str, number: int, *, worker_id: str, status: str, reason: str | None,
+                        exit_code: int | None, message: str | None, retry_on: Iterable[str] = (),
+                        found_by: str) -> dict[str, Any] | None:
+        """The real end of an attempt a reaper closed as worker_lost (its worker had lost its lease),
+        found later in its run dir (exit.json) by `found_by`.
+
+        The attempt gets its real result. When the job's retry has not been claimed yet (PENDING,
+        still at this attempt), the job takes that result too, as if the end had been recorded in
+        time: it ran once. Otherwise the retry stands and is recorded as a re-run (a `job.rerun`
+        event and a log note), with this attempt's result kept. Once only: returns the job, or
+        None when there was nothing to record (not closed by a reaper, or recorded already).
+        """
+        if status not in TERMINAL:
+            raise ValueError(f"record_late_end needs a terminal status, got {status}")
+        now = time.time()
+        a = attempts_t.c
+        with self.engine.begin() as conn:
+            job = self._get(conn, job_id, lock=True)
+            res = conn.execute(update(attempts_t).where(
+                a.job_id == job_id, a.number == number, a.worker_id == worker_id, a.status == "FAILED",
+                a.reason == "worker_lost", a.exit_code.is_(None)).values(
+                status=status, reason=reason, exit_code=exit_code, message=message))
+            if res.rowcount == 0:
+                return None
+            data: dict[str, Any] = {"attempt": number, "status": status, "reason": reason, "exit_code": exit_code,
+                                    "found_by": found_by}
+            if job["status"] == "PENDING" and job["attempt"] == number:
+                requeue = (status == "FAILED" and reason in set(retry_on) and number < job["max_attempts"])
+                if not requeue:
+                    conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.attempt == number,
+                                                      jobs_t.c.status == "PENDING").values(
+                        status=status, reason=reason, exit_code=exit_code, message=message, finished_at=now))
+                    note = (f"[offload-jobs] attempt {number} ended {status} while its worker {worker_id} had lost "
+                            f"its lease; found in its run dir (exit.json) by {found_by}, recorded; no re-run\n")
+                    self._append_output(conn, job_id, number, _note_bytes(conn, job_id, note.strip()), [])
+                    self._event(conn, job_id, "job.status", {**data, "late": True})
+                    return self._get(conn, job_id)
+            rerun = f"attempt {job['attempt']}" if job["attempt"] > number else "a retry"
+            note = (f"[offload-jobs] attempt {number} had ended {status}" + (f" ({reason})" if reason else "")
+                    + f" while its worker {worker_id} had lost its lease (found in its run dir by {found_by}); "
+                    f"{rerun} is a re-run")
+            self._append_output(conn, job_id, number, _note_bytes(conn, job_id, note), [])
+            self._event(conn, job_id, "job.rerun", {**data, "rerun_attempt": job["attempt"],
+                                                    "why": "its worker lost its lease before recording its end"})
+            return self._get(conn, job_id)
+
+    @_reads
+    def reaped_attempts(self, worker_id: str, limit: int = 200) -> list[dict[str, Any]]:
+        """`worker_id`'s attempts that a reaper closed as worker_lost with no exit: their real end may
+        still be in the run dir (`record_late_end`)."""
+        a = attempts_t.c
+        q = (select(attempts_t).where(a.worker_id == worker_id, a.status == "FAILED", a.reason == "worker_lost",
+                                      a.exit_code.is_(None)).order_by(a.id.desc()).limit(limit))
+        with self._read() as conn:
+            return [_attempt_dict(r) for r in conn.execute(q).mappings()]
 
     @_writes
     def reap_attempt(self, job_id: str, number: int, *, retry_on: Iterable[str], never_ran: bool, message: str,

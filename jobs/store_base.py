@@ -144,6 +144,29 @@ class StoreBase:
             # pysqlite's implicit transactions defeat BEGIN IMMEDIATE; take control of them.
             event.listen(self.engine, "begin", _sqlite_begin)
         self.migrate()
+        self._file_id = self._stat_file()
+
+    def _stat_file(self) -> tuple[int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check_file(self) -> None:
+        """SQLite: raise StoreError when the store's file is no longer the one this process opened (deleted,
+        or replaced by another file): what is written now would land in a file no one reads again."""
+        if self.path is None or self._file_id is None:
+            return
+        now = self._stat_file()
+        if now == self._file_id:
+            return
+        how = "deleted" if now is None else "replaced by another file"
+        raise StoreError(f"the store file {self.path} was {how} under this running worker; it accepts no "
+                         "submits: stop it, then restore the file, or start it with --rebuild-store to rebuild "
+                         "the store from the run dirs")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -169,6 +192,10 @@ class StoreBase:
         except DatabaseError as exc:
             if not self.is_sqlite:
                 raise StoreError(f"cannot open or migrate store {self.path_label}: {db_message(exc)}") from None
+            if self.path is not None and _disk_full(self.path.parent):
+                # Not a damaged store: SQLite says "disk I/O error" when it cannot make its -wal/-shm files.
+                raise StoreError(f"cannot open store {self.path_label} ({db_message(exc)}): the disk is full "
+                                 f"({self.path.parent} has no free space); free some space and start again") from None
             raise StoreError(
                 f"{self.path_label} is not a readable job store ({db_message(exc)}); restore it from a backup, "
                 f"or move it aside (mv {self.path_label} {self.path_label}.broken) to start an empty store"
@@ -217,6 +244,15 @@ class StoreBase:
     def _read(self) -> Iterator[Connection]:
         with self.engine.connect() as conn:
             yield conn.execution_options(readonly=True)
+
+
+def _disk_full(path: Path, floor: int = 1 << 20) -> bool:
+    """Less than `floor` bytes free for us on `path`'s filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < floor
 
 
 def _sqlite_begin(conn: Connection) -> None:

@@ -50,6 +50,8 @@ jobs_t = Table(
     Column("min_vram", BigInteger, nullable=False, default=0),  # bytes per GPU the job needs
     Column("executor", String(16), nullable=False, default="process"),
     Column("worker_id", String(64)),  # the worker of the current (or last) attempt
+    # schema 4
+    Column("submit_key", String(64)),  # the client's idempotency key: a repeated submit gets this job back
     Index("ix_jobs_claim", "status", "priority", "seq"),
 )
 
@@ -156,6 +158,13 @@ def _m3_workers_and_leases(conn: Connection) -> None:
         t.create(conn, checkfirst=True)
 
 
+def _m4_submit_key(conn: Connection) -> None:
+    """Idempotent submits: a key the client sends with a submit, unique among jobs (NULLs allowed)."""
+    _add_column(conn, "jobs", "submit_key", "VARCHAR(64)")
+    conn.execute(text("CREATE UNIQUE INDEX IF NOT EXISTS ux_jobs_submit_key ON jobs (submit_key)"))
+
+
 # Append-only: entry N brings the schema from version N to N+1.
-MIGRATIONS: list[Callable[[Connection], None]] = [_m1_initial, _m2_seq_index, _m3_workers_and_leases]
+MIGRATIONS: list[Callable[[Connection], None]] = [_m1_initial, _m2_seq_index, _m3_workers_and_leases,
+                                                  _m4_submit_key]
 SCHEMA_VERSION = len(MIGRATIONS)

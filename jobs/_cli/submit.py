@@ -21,13 +21,15 @@ def submit(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Print the job id and return at once.")] = False,
     sets: Annotated[Optional[list[str]], typer.Option("--set", help=SETS_HELP, metavar="KEY=VALUE")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output (with -d: {\"id\": ...}).")] = False,
+    key: Annotated[Optional[str], typer.Option("--key", help="Idempotency key: a submit repeated with the same key "
+                                                "returns the job the first one made (default: a fresh key).")] = None,
 ) -> None:
     """Submit a job and stream its log until it ends.
 
     Exits 0 when the job SUCCEEDED and 1 otherwise. Ctrl-C detaches (the job keeps running);
     re-attach with `offload-jobs logs -f JOB`.
     """
-    client, job = submit_file(file, sets)
+    client, job = submit_file(file, sets, key=key)
     job_id = str(job["id"])
 
     if detach:
@@ -37,7 +39,9 @@ def submit(
             typer.echo(job_id)
         return
 
-    print(f"offload-jobs: submitted job {job_id} ({job.get('name') or job.get('kind')})", file=sys.stderr, flush=True)
+    again = " (already submitted with this key)" if job.get("existing") else ""
+    print(f"offload-jobs: submitted job {job_id} ({job.get('name') or job.get('kind')}){again}", file=sys.stderr,
+          flush=True)
     final = attach(client, job_id, job.get("name"), logs_to_stderr=json_out)
     if json_out:
         from jobs._cli.output import job_summary
@@ -46,7 +50,7 @@ def submit(
     raise typer.Exit(0 if final.get("status") == JobState.SUCCEEDED else 1)
 
 
-def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[str, Any]]:
+def submit_file(file: Path, sets: list[str] | None, key: str | None = None) -> tuple[JobsClient, dict[str, Any]]:
     """Submit the spec in `file`; the worker validates it and errors point back into the file.
 
     With no worker to ask, the spec is validated here, so a bad spec still gets its field named.
@@ -62,7 +66,7 @@ def submit_file(file: Path, sets: list[str] | None) -> tuple[JobsClient, dict[st
     try:
         check_tree(data)  # what JSON cannot carry (NaN, huge ints) or no field can hold
         client = connect()
-        job = client.submit(data)
+        job = client.submit(data, key=key)
     except SpecError as exc:
         from jobs._cli.validate import add_container_hint  # a host path sent to a worker in a container
         from jobs.home import state_home

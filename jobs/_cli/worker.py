@@ -41,12 +41,16 @@ def worker(
     gpu_vram: Annotated[Optional[str], typer.Option(
         "--gpu-vram", show_default=False, help="Declare the GPUs and their memory, e.g. 24GiB,8GiB (default: NVML).")
     ] = None,
+    rebuild_store: Annotated[bool, typer.Option(
+        "--rebuild-store", help="Rebuild the jobs the state dir's store lost (deleted jobs.db or jobs.db-wal) from "
+                                "their run dirs, then run.")] = False,
 ) -> None:
     """Run the worker in the foreground (HTTP API, scheduler, store). Ctrl-C stops it."""
     from jobs._cli.worker_entry import run_worker_foreground
 
     code = run_worker_foreground(host, port, home, max_cpu_jobs=max_cpu_jobs, gpus=gpus, log_level=log_level,
-                                 db=db, worker_id=worker_id, heartbeat_timeout=heartbeat_timeout, gpu_vram=gpu_vram)
+                                 db=db, worker_id=worker_id, heartbeat_timeout=heartbeat_timeout, gpu_vram=gpu_vram,
+                                 rebuild_store=rebuild_store)
     if code:
         raise typer.Exit(code)
 

@@ -10,7 +10,7 @@ __all__ = ["run_worker_foreground"]
 def run_worker_foreground(host: str, port: int, home: Path | None, *, max_cpu_jobs: int | None = None,
                           gpus: int | None = None, log_level: str | None = None, db: str | None = None,
                           worker_id: str | None = None, heartbeat_timeout: float | None = None,
-                          gpu_vram: str | None = None) -> int:
+                          gpu_vram: str | None = None, rebuild_store: bool = False) -> int:
     """Hand this process to the worker's own entry point with its documented flags; returns its exit code."""
     from jobs.worker.main import main  # fastapi + uvicorn + sqlalchemy: only for this verb
 
@@ -27,4 +27,6 @@ def run_worker_foreground(host: str, port: int, home: Path | None, *, max_cpu_jo
                         ("--gpu-vram", gpu_vram)):
         if value is not None:
             argv += [flag, str(value)]
+    if rebuild_store:
+        argv.append("--rebuild-store")
     return main(argv) or 0

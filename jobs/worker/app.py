@@ -74,6 +74,13 @@ def open_store(home: Path, url: str | None = None) -> JobStore:
     if problem is not None:
         store.close()
         raise StoreError(f"{db} is corrupt ({problem}); {advice}")
+    from jobs.store_rebuild import check_history  # run dirs the store knows nothing of: it lost its history
+
+    try:
+        check_history(store, home)
+    except StoreError:
+        store.close()
+        raise
     return store
 
 
@@ -127,6 +134,7 @@ def create_app(home: str | os.PathLike[str], *, host: str = "127.0.0.1", token: 
                       gpu_vram=[g.memory_total for g in gpus], worker_id=ident.id, heartbeat=heartbeat,
                       max_slurm_jobs=max_slurm_jobs)
     heartbeat.on_reaped = lambda job: sched.wake()
+    heartbeat.find_end = sched.find_end
     listener = None
     if store.is_postgres:
         from jobs.worker.listen import Listener

@@ -2,7 +2,8 @@
 
 `OFFLOAD_JOBS_FAULTS="prepared=0.3,recorded=0.3"` makes the scheduler sleep at those points of a
 launch: `prepared` (the child exists, held, its identity not yet in the store) and `recorded` (the
-identity is committed, the child not yet let go). While it sleeps, the file `fault-<point>` exists
+identity is committed, the child not yet let go), `ended` (an attempt ended, its end not yet
+written to the store), `received` (a submit read, nothing made yet) and `submitted` (a submit's job is committed, its answer not yet sent). While it sleeps, the file `fault-<point>` exists
 in the state dir, so a test can kill the worker inside exactly the windows where a crash used to
 run a job twice.
 """

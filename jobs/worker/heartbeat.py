@@ -97,6 +97,9 @@ class Heartbeat:
         self.renewed_sent = 0.0  # when the renewal that produced `renewed` was sent
         self.lost_id = False  # another process registered under our worker id: stop everything
         self.on_reaped: Callable[[dict[str, Any]], None] | None = None
+        # How an expired attempt really ended, when its run dir says so (Scheduler.find_end): recorded
+        # instead of worker_lost, so a job that finished is never run again for a lost record.
+        self.find_end: Callable[[dict[str, Any]], Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -208,9 +211,14 @@ class Heartbeat:
             silent = self.timeout + a.get("overdue_s", 0.0)
             msg = (f"worker {holder} stopped renewing its lease (silent for about {silent:.0f}s); "
                    + ("the attempt had not started" if never_ran else "the attempt is lost"))
+            # A STARTING attempt whose run dir says it ran (its RUNNING commit was lost) is judged by that too.
+            end = None if self.find_end is None else self.find_end(a)
             try:
-                job = self.store.reap_attempt(a["job_id"], a["number"], retry_on=retry_on, never_ran=never_ran,
-                                              message=msg, note=f"[offload-jobs] {msg} (reaped by {self.ident.id})")
+                if end is not None:
+                    job = self._record_found_end(a, end, holder, retry_on)
+                else:
+                    job = self.store.reap_attempt(a["job_id"], a["number"], retry_on=retry_on, never_ran=never_ran,
+                                                  message=msg, note=f"[offload-jobs] {msg} (reaped by {self.ident.id})")
             except StoreError as exc:
                 self._warn(f"cannot reap job {a['job_id']} attempt {a['number']}: {exc}")
                 continue
@@ -224,6 +232,15 @@ class Heartbeat:
             if self.on_reaped is not None:
                 self.on_reaped(job)
         return n
+
+    def _record_found_end(self, a: dict[str, Any], end: Any, holder: str, retry_on: list[str]) -> dict[str, Any] | None:
+        """Close an expired attempt with the end its run dir records (once: only while still past due)."""
+        msg = (f"worker {holder} stopped renewing its lease after the attempt ended; its end ({end.status}"
+               + (f", {end.reason}" if end.reason else "") + f") was read from its run dir by {self.ident.id}")
+        job = self.store.finish_attempt(a["job_id"], a["number"], status=end.status, reason=end.reason,
+                                        exit_code=end.exit_code, message=end.message, retry_on=retry_on,
+                                        only_if_expired=True, note=f"[offload-jobs] {msg}")
+        return job if job.get("recorded") else None
 
     def _stop_remains(self, a: dict[str, Any]) -> None:
         """What is left of a reaped attempt, where this worker can reach it (this host, Slurm)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import logging
@@ -31,6 +32,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.home = home
         self.host = host
+        self.startup_error: str | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -40,7 +42,12 @@ class _Server(uvicorn.Server):
         host = self.host if self.host not in ("0.0.0.0", "::") else "127.0.0.1"
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         info = {"url": url, "pid": os.getpid(), "host": self.host, "port": port, "started_at": time.time()}
-        write_private(self.home / WORKER_FILE, json.dumps(info))
+        try:
+            write_private(self.home / WORKER_FILE, json.dumps(info))
+        except OSError as exc:  # a full disk: no client could find this worker; stop cleanly and say why
+            self.startup_error = _os_message(self.home / WORKER_FILE, exc)
+            self.should_exit = True
+            return
         worker = getattr(getattr(_unwrap(self.config.loaded_app), "state", None), "worker", None)
         if isinstance(worker, dict) and not worker.get("url"):
             worker["url"] = url  # what /v1/workers shows (--advertise-url says better for other hosts)
@@ -62,6 +69,15 @@ def _unwrap(app: Any) -> Any:
         app = getattr(app, "app", None)
         seen += 1
     return app
+
+
+def _os_message(path: Path | str | None, exc: OSError) -> str:
+    """One line for an OSError at start, naming the file (and the full disk, when that is the cause)."""
+    where = exc.filename or path or "the state dir"
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why += " (the disk is full: free some space)"
+    return f"cannot write {where}: {why}"
 
 
 class _Stopped(Exception):
@@ -92,7 +108,8 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
                *, max_cpu_jobs: int = 4, gpus: int | None = None, allow_hosts: list[str] | None = None,
                log_level: str = "warning", max_spec_bytes: int | None = None, db_url: str | None = None,
                worker_id: str | None = None, heartbeat_timeout: float | None = None, gpu_vram: str | None = None,
-               max_slurm_jobs: int | None = None, advertise_url: str | None = None) -> None:
+               max_slurm_jobs: int | None = None, advertise_url: str | None = None,
+               rebuild_store: bool = False) -> None:
     from jobs.spec import MAX_SPEC_BYTES
     from jobs.worker.app import create_app
 
@@ -101,6 +118,8 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
     h = secure_home(state_home(home))
     lock = _lock(h)
     try:
+        if rebuild_store:
+            _rebuild_store(h, db_url if db_url is not None else (os.environ.get("OFFLOAD_JOBS_DB") or None))
         extra = list(allow_hosts or []) + [x for x in os.environ.get("OFFLOAD_JOBS_ALLOWED_HOSTS", "").split(",") if x]
         from jobs.worker.inventory import parse_vram_list
 
@@ -118,10 +137,13 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _stopped)
+        server = _Server(config, h, host)
         try:
-            _Server(config, h, host).run()
+            server.run()
         except _Stopped:
             pass
+        if server.startup_error:
+            raise JobsError(server.startup_error)
     finally:
         info = h / WORKER_FILE
         try:
@@ -130,6 +152,27 @@ def run_worker(host: str = "127.0.0.1", port: int = DEFAULT_PORT, home: str | os
         except (OSError, ValueError):
             pass
         lock.close()
+
+
+def _rebuild_store(home: Path, db_url: str | None) -> None:
+    """`--rebuild-store`: put back the jobs the state dir's store lost, from their run dirs (under the lock)."""
+    if db_url:
+        raise StoreError("--rebuild-store rebuilds the state dir's SQLite store; a shared store ("
+                         f"{db_url.split('://')[0]}) is restored from its own backups")
+    from jobs.store import JobStore
+    from jobs.store_rebuild import rebuild
+
+    store = JobStore(home / "jobs.db")
+    try:
+        done = rebuild(store, home)
+    finally:
+        store.close()
+    states: dict[str, int] = {}
+    for job in done:
+        states[job["status"]] = states.get(job["status"], 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "nothing was missing"
+    print(f"offload-jobs worker: rebuilt {len(done)} jobs of {home / 'jobs.db'} from {home / 'runs'} ({summary})",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-slurm-jobs", type=int, default=None,
                    help="attempts this worker keeps in Slurm at once (default 64 where sbatch is on PATH)")
     p.add_argument("--advertise-url", default=None, help="the API URL other hosts use for this worker")
+    p.add_argument("--rebuild-store", action="store_true",
+                   help="rebuild the jobs the state dir's store lost (jobs.db or jobs.db-wal deleted) from their run dirs")
     a = p.parse_args(argv)
     if a.heartbeat_timeout is not None and not (1.0 <= a.heartbeat_timeout <= 3600):
         p.error("--heartbeat-timeout must be between 1 and 3600 seconds")
@@ -161,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(a.host, a.port, a.home, max_cpu_jobs=a.max_cpu_jobs, gpus=a.gpus, allow_hosts=a.allow_host,
                    log_level=a.log_level, max_spec_bytes=a.max_spec_bytes, db_url=a.db, worker_id=a.worker_id,
                    heartbeat_timeout=a.heartbeat_timeout, gpu_vram=a.gpu_vram, max_slurm_jobs=a.max_slurm_jobs,
-                   advertise_url=a.advertise_url)
+                   advertise_url=a.advertise_url, rebuild_store=a.rebuild_store)
     except JobsError as exc:
         # One line, and the line `up --local` shows: the real cause, not a library's link.
         print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:  # the state dir, its lock, token or store files: a full disk, a read-only mount
+        if not (exc.filename or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)):
+            raise  # not a file of ours: a bug, with its traceback
+        print("error: " + _os_message(None, exc), file=sys.stderr, flush=True)
         return 2
     return 0

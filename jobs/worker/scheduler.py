@@ -303,9 +303,25 @@ class Scheduler:
             r.executor.abort(h)
             r.stop_reason = Reason.CANCELLED
             return
+        if self.shared and not self._lease_fresh(r):
+            # The claim's lease is past its local deadline (a stall, the store gone): another worker may
+            # retry it any moment, so it must not start here. Stopped unrun, it is queued again.
+            log.warning("job %s: attempt %d's lease ran out before it started; not starting it", job_id, number)
+            r.executor.abort(h)
+            r.stop_reason = "unrecorded"
+            return
         r.executor.release(h)
         if self.on_start and number == 1:
             self.on_start(job)
+
+    def _lease_fresh(self, r: _Running) -> bool:
+        """Shared stores: this attempt's lease still has its stop grace left on this host's clock."""
+        hb = self.heartbeat
+        assert hb is not None
+        if hb.lost_id:
+            return False
+        deadline = max(hb.claim_deadline(r.claim_sent), hb.deadline or 0.0)
+        return time.monotonic() < deadline - hb.lease_grace(r.job_id, r.attempt)
 
     def _drop(self, r: _Running) -> None:
         """Forget a stopped attempt: recorded, or not ours to record (its lease was taken)."""
@@ -465,6 +481,7 @@ class Scheduler:
         if outcome.message and outcome.reason != Reason.CANCELLED:
             tail += f": {outcome.message}"
         r.run_dir.append_log(tail + "\n")
+        self._faults.pause("ended")  # the crash tests kill the worker here: ended, not yet recorded
         self._settle(r, outcome)
 
     @staticmethod
@@ -517,9 +534,15 @@ class Scheduler:
                             r.job_id, r.attempt, exc)
             return
         if self.shared and not job.get("recorded", True):
-            log.warning("job %s: attempt %d was closed by a reaper meanwhile (its lease ran out; the job is %s, "
-                        "attempt %s on %s); its end here (%s) is not recorded", r.job_id, r.attempt, job.get("status"),
-                        job.get("attempt"), job.get("worker_id"), o.reason or o.status)
+            late = None
+            if o.reason != "worker_lost":  # a real end, which a reaper closed as lost: keep it, name the re-run
+                late = self._record_late(r.job_id, r.attempt, o, retry_on)
+            if late is None:
+                log.warning("job %s: attempt %d was closed by a reaper meanwhile (its lease ran out; the job is %s, "
+                            "attempt %s on %s); its end here (%s) is not recorded", r.job_id, r.attempt,
+                            job.get("status"), job.get("attempt"), job.get("worker_id"), o.reason or o.status)
+            else:
+                job = late
         elif r.failures:
             log.warning("job %s: completion of attempt %d recorded after %d failed writes", r.job_id, r.attempt,
                         r.failures)
@@ -529,6 +552,65 @@ class Scheduler:
         if self.on_finish:
             self.on_finish(job)
         self._wake.set()
+
+    def _record_late(self, job_id: str, number: int, o: _Outcome, retry_on: list[str]) -> dict[str, Any] | None:
+        assert self.worker_id is not None
+        try:
+            job = self.store.record_late_end(job_id, number, worker_id=self.worker_id, status=o.status,
+                                             reason=o.reason, exit_code=o.exit_code, message=o.message,
+                                             retry_on=retry_on, found_by=self.worker_id)
+        except StoreError as exc:
+            log.warning("job %s: cannot record the late end of attempt %d: %s", job_id, number, exc)
+            return None
+        if job is not None:
+            log.warning("job %s: attempt %d ended %s after a reaper closed it; recorded late (the job is %s)",
+                        job_id, number, o.status, job["status"])
+        return job
+
+    def find_end(self, a: dict[str, Any]) -> _Outcome | None:
+        """How attempt `a` really ended, from its run dir's exit.json, if that is readable here (this
+        host, or a run root shared between workers) and says it ended on its own: None when it has no
+        record, never ran, or was stopped for its lease (then it is lost, and retried)."""
+        path = a.get("run_dir")
+        if not path:
+            return None
+        run_dir = RunDir(path)
+        try:
+            rec = run_dir.read_exit(a["number"])
+        except (OSError, RunDirError):
+            return None
+        if rec is None or rec.get("job_id") != a["job_id"]:
+            return None  # another job's dir under the same path on another host, or nothing
+        from jobs.executors.process import exit_from_record
+
+        ex = exit_from_record(rec)
+        if not ex.ran or ex.fenced:
+            return None
+        stop = run_dir.read_stop(a["number"])
+        if stop in ("fenced", "shutdown", "unrecorded"):
+            return None
+        outcome = self._judge(stop, stop is not None, ex)
+        return None if outcome.reason == "worker_lost" else outcome
+
+    def _settle_reaped(self) -> None:
+        """At start: this worker's attempts that a reaper closed as lost while it was away, whose real
+        end is in their run dir, get that end recorded (or their re-run named)."""
+        assert self.worker_id is not None
+        try:
+            reaped = self.store.reaped_attempts(self.worker_id)
+        except StoreError as exc:
+            log.warning("cannot look for reaped attempts: %s", exc)
+            return
+        for a in reaped:
+            outcome = self.find_end(a)
+            if outcome is None:
+                continue
+            try:
+                spec = parse_spec(self.store.get_job(a["job_id"])["spec"])
+                retry_on = list(spec.retry.on)
+            except (SpecError, JobNotFound, StoreError):
+                retry_on = []
+            self._record_late(a["job_id"], a["number"], outcome, retry_on)
 
     # ------------------------------------------------------------ recovery
     def recover(self) -> list[str]:
@@ -577,6 +659,8 @@ class Scheduler:
             self.running[job_id] = r
             self._settle(r, outcome)
             settled.append(job_id)
+        if self.shared:
+            self._settle_reaped()
         self._sweep()
         self.leases.sweep(lambda job_id, attempt: job_id in self.running and self.running[job_id].attempt == attempt)
         return settled

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from jobs import strict_json
-from jobs.errors import RequestTooLarge, SpecError, StoreError
+from jobs.errors import RequestTooLarge, SpecError
 from jobs.preflight import preflight
 from jobs.redact import redact_job, redact_spec
-from jobs.rundir import RunDir
 from jobs.spec import JobSpec, parse_spec
 from jobs.worker.routes.common import WorkerContext
 from jobs.worker.routes.common import json_response as _json
@@ -49,24 +47,11 @@ def router(ctx: WorkerContext) -> APIRouter:
     async def submit(request: Request) -> Response:
         spec, data = await _read_spec(request)
 
-        def create() -> dict[str, Any]:
-            job_id = store.new_id()
-            fields = dict(kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
-                          max_attempts=spec.retry.max_attempts, job_id=job_id, executor=spec.executor,
-                          min_vram=spec.resources.min_vram or 0)
-            if store.shared:  # the worker that claims it makes its run dir, on its own host
-                return store.create_job(data, **fields)
-            rd = RunDir.for_job(home, job_id).create(data)  # first, so events.jsonl sees job.created
-            try:
-                return store.create_job(data, run_dir_for=lambda _: str(rd.path), **fields)
-            except StoreError:
-                shutil.rmtree(rd.path, ignore_errors=True)  # no half-made job
-                raise
+        from jobs.worker.intake import KEY_HEADER, submit_job  # idempotency key, store file, whole run dirs
 
-        try:
-            job = await asyncio.to_thread(create)
-        except OSError as exc:
-            raise StoreError(f"cannot create the job's run dir under {home / 'runs'}: {exc.strerror or exc}") from None
+        job, created = await asyncio.to_thread(submit_job, store, home, spec, data, request.headers.get(KEY_HEADER))
+        if not created:
+            return _json(redact_job(job), 200)
         sched.wake()
         metrics.submitted.labels(spec.kind).inc()
         return _json(redact_job(job), 201)

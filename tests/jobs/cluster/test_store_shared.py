@@ -207,7 +207,8 @@ def test_event_ids_commit_in_order_under_concurrent_writers(pg_url: str) -> None
 
 def _downgrade_to_v2(store: JobStore) -> None:
     with store.engine.begin() as conn:
-        for table, col in (("jobs", "min_vram"), ("jobs", "executor"), ("jobs", "worker_id"),
+        conn.execute(text("DROP INDEX IF EXISTS ux_jobs_submit_key"))  # schema 4's
+        for table, col in (("jobs", "submit_key"), ("jobs", "min_vram"), ("jobs", "executor"), ("jobs", "worker_id"),
                            ("attempts", "worker_id"), ("attempts", "lease_until"), ("attempts", "run_dir")):
             conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {col}"))
         conn.execute(text("DROP INDEX IF EXISTS ix_attempts_live"))
@@ -226,7 +227,7 @@ def test_a_schema_2_store_migrates_with_its_jobs(backend: str, tmp_path: Path, r
     _downgrade_to_v2(old)
     old.close()
     new = JobStore(url)
-    assert new.schema_version() == SCHEMA_VERSION == 3
+    assert new.schema_version() == SCHEMA_VERSION == 4
     job = new.get_job(j["id"])
     assert (job["name"], job["executor"], job["min_vram"]) == ("old", "process", 0)
     claimed = new.claim_next(gpu_slots=0, cpu_slots=1, worker_id="w", lease_s=5)
