@@ -325,18 +325,18 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         with self.engine.begin() as conn:
             job = self._get(conn, job_id, lock=True)
             res = conn.execute(update(attempts_t).where(
-                a.job_id == job_id, a.number == number, a.worker_id == worker_id, a.status == "FAILED",
-                a.reason == "worker_lost", a.exit_code.is_(None)).values(
+                a.job_id == job_id, a.number == number, a.worker_id == worker_id, a.status == JobState.FAILED,
+                a.reason == Reason.WORKER_LOST, a.exit_code.is_(None)).values(
                 status=status, reason=reason, exit_code=exit_code, message=message))
             if res.rowcount == 0:
                 return None
             data: dict[str, Any] = {"attempt": number, "status": status, "reason": reason, "exit_code": exit_code,
                                     "found_by": found_by}
-            if job["status"] == "PENDING" and job["attempt"] == number:
-                requeue = (status == "FAILED" and reason in set(retry_on) and number < job["max_attempts"])
+            if job["status"] == JobState.PENDING and job["attempt"] == number:
+                requeue = (status == JobState.FAILED and reason in set(retry_on) and number < job["max_attempts"])
                 if not requeue:
                     conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.attempt == number,
-                                                      jobs_t.c.status == "PENDING").values(
+                                                      jobs_t.c.status == JobState.PENDING).values(
                         status=status, reason=reason, exit_code=exit_code, message=message, finished_at=now))
                     note = (f"[offload-jobs] attempt {number} ended {status} while its worker {worker_id} had lost "
                             f"its lease; found in its run dir (exit.json) by {found_by}, recorded; no re-run\n")
@@ -357,7 +357,7 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         """`worker_id`'s attempts that a reaper closed as worker_lost with no exit: their real end may
         still be in the run dir (`record_late_end`)."""
         a = attempts_t.c
-        q = (select(attempts_t).where(a.worker_id == worker_id, a.status == "FAILED", a.reason == "worker_lost",
+        q = (select(attempts_t).where(a.worker_id == worker_id, a.status == JobState.FAILED, a.reason == Reason.WORKER_LOST,
                                       a.exit_code.is_(None)).order_by(a.id.desc()).limit(limit))
         with self._read() as conn:
             return [_attempt_dict(r) for r in conn.execute(q).mappings()]

@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import func, insert, select
 
+from jobs.contract import JobState, Reason
 from jobs import strict_json
 from jobs.errors import StoreError
 from jobs.tables import attempts_t, jobs_t
@@ -181,7 +182,7 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
         born = [e["ts"] for e in events if e["type"] == "job.created" and isinstance(e.get("ts"), (int, float))]
         created = born[0] if born else _mtime(path / "spec.yaml")
         attempts: dict[int, dict[str, Any]] = {}
-        last: dict[str, Any] = {"status": "PENDING", "attempt": 0}
+        last: dict[str, Any] = {"status": JobState.PENDING, "attempt": 0}
         for e in events:
             if (e["type"] != "job.status" or not isinstance(e.get("attempt"), int)
                     or not isinstance(e.get("status"), str)):
@@ -190,12 +191,12 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
             n = e["attempt"]
             if n < 1:
                 continue
-            a = attempts.setdefault(n, {"number": n, "status": "STARTING", "started_at": e.get("ts"),
+            a = attempts.setdefault(n, {"number": n, "status": JobState.STARTING, "started_at": e.get("ts"),
                                         "executor": executor, "reason": None, "exit_code": None,
                                         "message": None, "finished_at": None})
             ended = e.get("retry_of") or (e["status"] if e["status"] in TERMINAL else None)
-            if e["status"] == "RUNNING":
-                a.update(status="RUNNING", pid=e.get("pid"))
+            if e["status"] == JobState.RUNNING:
+                a.update(status=JobState.RUNNING, pid=e.get("pid"))
             elif ended:
                 a.update(status=ended, reason=e.get("reason"), exit_code=e.get("exit_code"),
                          message=e.get("message"), finished_at=e.get("ts"))
@@ -203,10 +204,10 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
         job: dict[str, Any] = dict(status=last["status"], reason=last.get("reason"), exit_code=last.get("exit_code"),
                                    message=last.get("message"), attempt=n,
                                    finished_at=last.get("ts") if last["status"] in TERMINAL else None)
-        live = attempts.get(n) if job["status"] in ("STARTING", "RUNNING", "CANCELLING") else None
+        live = attempts.get(n) if job["status"] in (JobState.STARTING, JobState.RUNNING, JobState.CANCELLING) else None
         if live is not None:
             # It was live when the store was lost: its real end if its launcher wrote one, else stop it.
-            stop = rd.read_stop(n) or ("cancelled" if job["status"] == "CANCELLING" else None)
+            stop = rd.read_stop(n) or (Reason.CANCELLED if job["status"] == JobState.CANCELLING else None)
             rec = rd.read_exit(n)
             if rec is None or rec.get("job_id") not in (None, job_id):
                 try:
@@ -222,23 +223,23 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
             if rec is not None and rec.get("job_id") in (None, job_id):
                 ex = exit_from_record(rec)
             else:
-                ex = Exit(None, ran=live["status"] == "RUNNING", unknown=True)
+                ex = Exit(None, ran=live["status"] == JobState.RUNNING, unknown=True)
             outcome = Scheduler._judge(stop, stop is not None, ex)
-            requeue = (outcome.status == "FAILED" and (outcome.never_ran or (outcome.reason in retry_on
+            requeue = (outcome.status == JobState.FAILED and (outcome.never_ran or (outcome.reason in retry_on
                                                                            and n < fields["max_attempts"])))
             now = time.time()
             live.update(status=outcome.status, reason=outcome.reason, exit_code=outcome.exit_code,
                         message=outcome.message or f"the store was rebuilt; this attempt {how}", finished_at=now)
-            job.update(status="PENDING" if requeue else outcome.status, reason=outcome.reason,
+            job.update(status=JobState.PENDING if requeue else outcome.status, reason=outcome.reason,
                        exit_code=outcome.exit_code, message=live["message"], finished_at=None if requeue else now)
             rd.append_log(f"[offload-jobs] store rebuilt from the run dirs; attempt {n} {how}: {outcome.status}"
                           + (f" ({outcome.reason})" if outcome.reason else "")
                           + ("; queued again" if requeue else "") + "\n")
         for a in attempts.values():  # an earlier attempt whose end no event recorded: it is over, unrecorded
             if a is not live and a["status"] not in TERMINAL:
-                a.update(status="FAILED", reason="worker_lost", message="no record of its end", finished_at=time.time())
-        if job["status"] not in TERMINAL and job["status"] != "PENDING":
-            job["status"] = "PENDING"  # STARTING with no attempt record: it never ran
+                a.update(status=JobState.FAILED, reason=Reason.WORKER_LOST, message="no record of its end", finished_at=time.time())
+        if job["status"] not in TERMINAL and job["status"] != JobState.PENDING:
+            job["status"] = JobState.PENDING  # STARTING with no attempt record: it never ran
         with store.engine.begin() as conn:
             seq = (conn.execute(select(func.max(jobs_t.c.seq))).scalar() or 0) + 1
             started = [a["started_at"] for a in attempts.values() if a.get("started_at")]

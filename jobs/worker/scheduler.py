@@ -535,7 +535,7 @@ class Scheduler:
             return
         if self.shared and not job.get("recorded", True):
             late = None
-            if o.reason != "worker_lost":  # a real end, which a reaper closed as lost: keep it, name the re-run
+            if o.reason != Reason.WORKER_LOST:  # a real end, which a reaper closed as lost: keep it, name the re-run
                 late = self._record_late(r.job_id, r.attempt, o, retry_on)
             if late is None:
                 log.warning("job %s: attempt %d was closed by a reaper meanwhile (its lease ran out; the job is %s, "
@@ -590,7 +590,7 @@ class Scheduler:
         if stop in ("fenced", "shutdown", "unrecorded"):
             return None
         outcome = self._judge(stop, stop is not None, ex)
-        return None if outcome.reason == "worker_lost" else outcome
+        return None if outcome.reason == Reason.WORKER_LOST else outcome
 
     def _settle_reaped(self) -> None:
         """At start: this worker's attempts that a reaper closed as lost while it was away, whose real
