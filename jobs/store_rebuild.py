@@ -27,11 +27,10 @@ from typing import Any
 
 from sqlalchemy import func, insert, select
 
-from jobs.contract import JobState, Reason
+from jobs.contract import TERMINAL, JobState, Reason
 from jobs import strict_json
 from jobs.errors import StoreError
 from jobs.tables import attempts_t, jobs_t
-from jobs.vocab import TERMINAL
 
 __all__ = ["lost_run_dirs", "check_history", "rebuild"]
 
