@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -10,6 +10,9 @@ from torch import nn
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .errors import NotAModuleError
+
+if TYPE_CHECKING:
+    from .optim_offload import OptimizerOffload
 
 __all__ = ["OffloadHandle", "enable_offload"]
 
@@ -19,7 +22,7 @@ class OffloadHandle:
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        self.trainer: Any = None  # set by the training manager when optimizer offload is on
+        self.trainer: OptimizerOffload | None = None  # set by the training manager when optimizer offload is on
 
     @property
     def config(self) -> OffloadConfig:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import FrozenWeightError, OffloadedCopyError, OffloadedEditError, copied_module_error
+from .seams import BinderHost
 from .slots import Slot
 from .units import Unit
 
@@ -60,7 +61,7 @@ class SlotRef:
 
 
 class Binder:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: BinderHost) -> None:
         self.e = engine
         self.bound: dict[int, list] = {}  # uid -> (table, attr, original, view, version or placeholder) per tensor, while its module runs
         self.depth: dict[int, int] = {}

@@ -25,17 +25,16 @@ nor the backward of the last unit used (which runs after its use).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import device, planner
+from .seams import ReplanHost
 
 __all__ = ["Replanner"]
 
 
 class Replanner:
-    def __init__(self, e: Any) -> None:
+    def __init__(self, e: ReplanHost) -> None:
         self.e = e
         cfg = e.config
         self.depth0 = e.schedule.depth
