@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 import typing
@@ -18,7 +19,8 @@ from offload_core.binding import Binder
 from offload_core.masters import Masters
 from offload_core.optim_offload import OptimizerOffload
 from offload_core.replan import Replanner
-from offload_core_test_models import CASES
+from offload_core.stats import EngineStats
+from offload_core_test_models import CASES, make_optimizer, train
 
 # each collaborator and the Protocol its __init__ takes
 COLLABORATORS = [
@@ -96,5 +98,40 @@ def test_the_engine_satisfies_every_protocol() -> None:
     try:
         for _, proto in COLLABORATORS:
             assert isinstance(handle.engine, proto), proto.__name__
+    finally:
+        handle.remove()
+
+
+def test_stats_is_the_engines_typed_record() -> None:
+    case = CASES["toy"]
+    model = case.build("adapter")
+    optimizer = make_optimizer(model)
+    handle = enable_offload(model, target_device="cpu", enable_optimizer_cpu_offload=True)
+    try:
+        train(case, model, optimizer, steps=3)
+        record = handle.engine.stats()
+        assert isinstance(record, EngineStats)
+        out = handle.stats()
+        named = [f.name for f in dataclasses.fields(EngineStats) if f.name not in EngineStats.MERGED]
+        assert "measured_step_ms" in out  # a timed cycle was read: every field is in the dict
+        # the dict's keys are the record's fields, with the store's and the optimizer's own keys merged in
+        assert set(out) == set(named) | set(record.store_stats) | set(handle.trainer.stats())
+        assert [k for k in out if k in named] == named  # in the record's order
+        assert record.store_stats["host_store"] == out["host_store"] == "arena"
+        assert out["optimizer_offload"] is True
+        for name in named:
+            if not name.endswith("_ms") and name not in ("h2d_gbps", "units"):  # timings are read again
+                assert out[name] == getattr(record, name), name
+    finally:
+        handle.remove()
+
+
+def test_stats_leaves_out_the_cycle_times_until_a_cycle_was_timed() -> None:
+    handle = enable_offload(CASES["toy"].build("frozen"), target_device="cpu")
+    try:
+        out = handle.stats()
+        assert handle.engine.stats().measured_step_ms is None
+        assert "measured_step_ms" not in out and "predicted_step_ms" not in out
+        assert "optimizer_offload" not in out
     finally:
         handle.remove()
