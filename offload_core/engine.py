@@ -103,9 +103,9 @@ class OffloadEngine:
         self.treat_as_inference = bool(all_frozen)
         # taken for inference because every parameter required grad: a backward through it is a mistake
         self._auto_inference = self.treat_as_inference and config.treat_as_inference is None
-        self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
+        self.layout = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
-        self.units: list[Unit] = self.plan.units
+        self.units: list[Unit] = self.layout.units
         depth = planner.initial_depth(config.prefetch, config.vram_budget)
         residency = planner.plan_residency(
             self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
@@ -126,7 +126,7 @@ class OffloadEngine:
 
         # Resident tensors: moved once. Streamed ones: packed (unless the store holds them already),
         # then placeholders.
-        for m, attr, is_param in self.plan.resident:
+        for m, attr, is_param in self.layout.resident:
             self._move_resident(m, attr, is_param)
         for u in self.units:
             if not u.streamed:
@@ -182,7 +182,7 @@ class OffloadEngine:
             from .disk.integrate import open_disk_store
 
             inference = self.treat_as_inference or not any(p.requires_grad for p in self.model.parameters())
-            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin, inference=inference)
+            return open_disk_store(self.model, self.units, self.layout.block_lists, cfg, pin=pin, inference=inference)
         arena = PinnedArena(self.streamed, pin=pin)
         if cfg.weights is not None:
             from .weights import fill_from_checkpoint
@@ -467,7 +467,7 @@ class OffloadEngine:
         resident = sticky + sum(t.nbytes for u in self.units if not u.streamed for t in u.tensors)
         resident += sum(
             (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
-            for m, a, p in self.plan.resident
+            for m, a, p in self.layout.resident
             if (m._parameters if p else m._buffers).get(a) is not None
         )
         units = [{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed and u.uid not in sticky_uids,

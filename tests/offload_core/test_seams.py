@@ -135,3 +135,17 @@ def test_stats_leaves_out_the_cycle_times_until_a_cycle_was_timed() -> None:
         assert "optimizer_offload" not in out
     finally:
         handle.remove()
+
+
+def test_renamed_names_keep_their_old_aliases() -> None:
+    from offload_core import planner, units
+
+    # "plan" is the planner's decision only; "slot" a SlotRing buffer only
+    assert units.UnitLayout is units.UnitPlan and units.UnitTensor is units.TensorSlot
+    assert planner.RingPlan is planner.Plan
+    handle = enable_offload(CASES["toy"].build("frozen"), target_device="cpu")
+    try:
+        assert isinstance(handle.engine.layout, units.UnitLayout)
+        assert all(isinstance(t, units.UnitTensor) for u in handle.engine.units for t in u.tensors)
+    finally:
+        handle.remove()
