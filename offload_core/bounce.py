@@ -192,13 +192,17 @@ class _Ring:
             self.cv.notify_all()
 
     # ------------------------------------------------------------------ fill threads
+    def _wait_for(self, work: collections.deque) -> bool:
+        """Under the lock, on a ring thread: wait until ``work`` holds something; False once the ring closes."""
+        while not work and not self.closed:
+            self.cv.wait()
+        return not self.closed
+
     def _fill_loop(self) -> None:
         try:
             while True:
                 with self.cv:
-                    while not self.tasks and not self.closed:
-                        self.cv.wait()
-                    if self.closed:
+                    if not self._wait_for(self.tasks):
                         return
                     seq, src, n = self.tasks.popleft()
                     b = seq % self.nbuf
@@ -255,9 +259,7 @@ class _Ring:
         try:
             while True:
                 with self.cv:
-                    while not self.issue and not self.closed:
-                        self.cv.wait()
-                    if self.closed:
+                    if not self._wait_for(self.issue):
                         return
                     fn = self.issue.popleft()
                     self.running = True
