@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import pytest
 import torch
 
-from offload_core import enable_offload
+from offload_core import OffloadTrainingManager, enable_offload
 from offload_core import seams
 from offload_core.binding import Binder
 from offload_core.masters import Masters
@@ -106,9 +106,10 @@ def test_stats_is_the_engines_typed_record() -> None:
     case = CASES["toy"]
     model = case.build("adapter")
     optimizer = make_optimizer(model)
-    handle = enable_offload(model, target_device="cpu", enable_optimizer_cpu_offload=True)
+    manager = OffloadTrainingManager(model, target_device="cpu", enable_optimizer_cpu_offload=True)
+    handle = manager.handle
     try:
-        train(case, model, optimizer, steps=3)
+        train(case, model, optimizer, steps=3, after_backward=manager.after_backward)
         record = handle.engine.stats()
         assert isinstance(record, EngineStats)
         out = handle.stats()
