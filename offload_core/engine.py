@@ -2,7 +2,7 @@
 
 Life of a streamed unit:
 
-1. Its tensors are packed into the host store (store.py; a PinnedArena slab) and the module keeps
+1. Its tensors are packed into the host store (hoststore.py; a PinnedArena slab) and the module keeps
    0-element placeholders.
 2. When its anchor module is entered (or autograd needs one of its saved weights back), the slab is
    copied into a SlotRing slot (transfer.py): one H2D copy on the copy stream, then a ``ready``
@@ -47,7 +47,7 @@ from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
 from .stats import Counters, EngineStats, TimingLog
-from .store import HostStore
+from .hoststore import HostStore
 from .transfer import Transfer
 from .units import Unit, discover_units
 from .weights import meta_tensor_names

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from .binding import Binder
     from .config import OffloadConfig
-    from .store import HostStore
+    from .hoststore import HostStore
     from .masters import Masters
     from .quant import UnitWidener
     from .schedule import Schedule
