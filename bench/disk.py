@@ -42,7 +42,7 @@ from offload_core.disk.bind import bind_units
 from offload_core.disk.format import FILE_ALIGN, ShardIndex, load_index
 from offload_core.disk.pool import HostPool
 from offload_core.disk.source import writable_buffer
-from offload_core.disk.store import DiskStore
+from offload_core.disk.diskstore import DiskStore
 from offload_core.disk.write import shard_model
 from offload_core.units import Unit, discover_units
 

@@ -39,7 +39,7 @@ from bench.disk import build, drop_page_cache
 from offload_core.disk import checksum
 from offload_core.disk.bind import bind_units
 from offload_core.disk.format import ShardIndex, load_index
-from offload_core.disk.store import DiskStore
+from offload_core.disk.diskstore import DiskStore
 from offload_core.disk.write import shard_model
 from offload_core.units import discover_units
 

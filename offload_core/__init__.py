@@ -32,7 +32,7 @@ from .errors import (
     VramBudgetError,
 )
 from .pipeline import PipelineOffload, enable_pipeline_offload
-from .store import HostStore
+from .hoststore import HostStore
 from .training import OffloadTrainingManager
 
 __all__ = [

@@ -1,6 +1,6 @@
 """PinnedArena: the host master copy of every streamed unit, packed into a few exact-size buffers.
 
-It is the engine's RAM host store (see store.py): every unit sits in RAM from setup on, so
+It is the engine's RAM host store (see hoststore.py): every unit sits in RAM from setup on, so
 ``acquire`` is a lookup and ``release`` does nothing. Each unit is one contiguous, 64-byte aligned
 slab, so onloading it is one copy. The buffers are ordinary (pageable) CPU allocations registered
 with cudaHostRegister (hostmem.HostBuffer): torch's pinned allocator rounds each request up to a

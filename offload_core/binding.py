@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from .errors import FrozenWeightError, OffloadedCopyError, OffloadedEditError, copied_module_error
+from .seams import BinderHost
 from .slots import Slot
 from .units import Unit
 
-__all__ = ["Binder", "SlotRef", "set_data"]
+__all__ = ["Binder", "SlotRef", "TensorBinding", "set_data"]
 
 
 def set_data(ts: Any, value: torch.Tensor) -> None:
@@ -48,6 +49,26 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+@dataclass(slots=True)
+class TensorBinding:
+    """What binding one streamed tensor needs, worked out once per tensor (layouts are fixed after setup)."""
+
+    ts: Any  # the unit's record of the tensor (units.py)
+    module: nn.Module
+    is_param: bool
+    attr: str
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int  # in elements of dtype, into the slot
+    # a trainable tensor's placeholder (its shape at stride 0), kept: unbind gives it back; None when frozen
+    placeholder: torch.Tensor | None
+    # a parameter that did not require grad at setup (in a model not taken for inference), which must not
+    # start to: its plain view would get no gradient, silently
+    frozen: bool
+    own: torch.Tensor  # the tensor object the engine was given
+
+
 @dataclass
 class SlotRef:
     """What autograd keeps instead of a streamed weight view."""
@@ -60,12 +81,12 @@ class SlotRef:
 
 
 class Binder:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: BinderHost) -> None:
         self.e = engine
         self.bound: dict[int, list] = {}  # uid -> (table, attr, original, view, version or placeholder) per tensor, while its module runs
         self.depth: dict[int, int] = {}
         self._placeholders: dict[Any, torch.Tensor] = {}
-        self._specs: dict[int, list] = {}  # uid -> per-tensor binding spec (see _spec)
+        self._specs: dict[int, list[TensorBinding]] = {}  # uid -> per-tensor binding spec (see _spec)
         # uid -> each tensor object's version while it holds its placeholder (None: an inference tensor, which
         # keeps none): an in-place edit between uses shows as a change (see bind, adopt)
         self._versions: dict[int, list] = {}
@@ -93,7 +114,7 @@ class Binder:
 
     def own(self, u: Unit, i: int) -> torch.Tensor:
         """The tensor object the engine streams as tensor ``i`` of ``u`` (the one it was given)."""
-        return self._spec(u)[i][-1]
+        return self._spec(u)[i].own
 
     def placeholder_ptr(self, ts: Any) -> int:
         """Where a trainable tensor's placeholder lies (its .data points there between uses)."""
@@ -144,23 +165,19 @@ class Binder:
                     ctx.__exit__(None, None, None)
         return post
 
-    def _spec(self, u: Unit) -> list:
-        """What binding u needs per tensor, worked out once (layouts are fixed after setup):
-        (tensor slot, module, is_param, attr, dtype, shape, stride, element offset, placeholder or None,
-        frozen, the tensor object). A trainable tensor's placeholder (its shape at stride 0) is kept:
-        unbind gives it back. frozen: a parameter that did not require grad at setup (in a model not
-        taken for inference), which must not start to: its plain view would get no gradient, silently.
-        The engine works them all out at the end of its setup, so the tensor object is the one it was
-        given: one the user puts in its place later is refused at bind, not silently overridden."""
+    def _spec(self, u: Unit) -> list[TensorBinding]:
+        """What binding u needs per tensor (TensorBinding), worked out once. The engine works them
+        all out at the end of its setup, so the tensor object is the one it was given: one the user
+        puts in its place later is refused at bind, not silently overridden."""
         spec = self._specs.get(u.uid)
         if spec is None:
             inference = self.e.treat_as_inference
             spec = self._specs[u.uid] = [
-                (ts, ts.module, ts.is_param, ts.attr, ts.dtype, tuple(ts.shape), ts.contiguous_stride,
-                 ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
-                 ts.is_param and not ts.trainable and not inference, ts.tensor())
+                TensorBinding(ts, ts.module, ts.is_param, ts.attr, ts.dtype, tuple(ts.shape), ts.contiguous_stride,
+                              ts.offset // ts.dtype.itemsize, self.placeholder_for(ts) if ts.trainable else None,
+                              ts.is_param and not ts.trainable and not inference, ts.tensor())
                 for ts in u.tensors]
-            self._versions[u.uid] = [_version(own) for ts, *_, own in spec]
+            self._versions[u.uid] = [_version(b.own) for b in spec]
         return spec
 
     def bind(self, u: Unit, slot: Slot) -> None:
@@ -171,22 +188,24 @@ class Binder:
         base_dtype = base = None
         versions = self._versions[u.uid] if u.uid in self._specs else None
         placeholders = self._placeholders
-        for k, (ts, m, is_param, attr, dtype, shape, stride, eoff, ph, frozen, own) in enumerate(self._spec(u)):
+        for k, b in enumerate(self._spec(u)):
+            dtype, is_param, ph = b.dtype, b.is_param, b.placeholder
             if dtype is not base_dtype:
                 base_dtype, base = dtype, typed(dtype)
-            view = base.as_strided(shape, stride, eoff)
-            table = m._parameters if is_param else m._buffers
+            view = base.as_strided(b.shape, b.stride, b.offset)
+            table = b.module._parameters if is_param else b.module._buffers
+            attr = b.attr
             orig = table[attr]
-            if orig is not own:
+            if orig is not b.own:
                 self._undo(u, bound)
                 raise OffloadedCopyError(
-                    f"{self._qualname(ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
+                    f"{self._qualname(b.ts)}: this {'parameter' if is_param else 'buffer'} was replaced after "
                     "enable_offload (a re-tie, a new Parameter or tensor); the engine streams the one it was given. "
                     "Replace it before enable_offload, or remove() first")
             if ph is not None:
                 if versions is not None and versions[k] is not None and orig._version != versions[k]:
                     self._undo(u, bound)
-                    raise OffloadedEditError(self._lost_edit(ts))
+                    raise OffloadedEditError(self._lost_edit(b.ts))
             elif (not orig.is_set_to(placeholders[dtype]) or versions is not None
                   and versions[k] is not None and orig._version != versions[k]):
                 # edited between uses, while its values were on the host: what reached them goes in, the slot's
@@ -199,10 +218,10 @@ class Binder:
                 orig.data = view
                 add((table, attr, orig, None, ph))
             else:
-                if frozen and orig.requires_grad:
+                if b.frozen and orig.requires_grad:
                     self._undo(u, bound)
                     raise FrozenWeightError(
-                        f"{self._qualname(ts)}: this weight was frozen when offloading began, so it streams as a "
+                        f"{self._qualname(b.ts)}: this weight was frozen when offloading began, so it streams as a "
                         "frozen view and would get no gradient; it now requires grad. Call remove(), change what "
                         "trains, then enable offloading again")
                 table[attr] = view
@@ -223,8 +242,9 @@ class Binder:
         """
         spec = self._spec(u)
         versions = self._versions[u.uid]
-        for i, (ts, m, is_param, attr, dtype, shape, _, _, ph, _, own) in enumerate(spec):
-            if ph is not None or (m._parameters if is_param else m._buffers).get(attr) is not own:
+        for i, b in enumerate(spec):
+            ts, dtype, shape, own = b.ts, b.dtype, b.shape, b.own
+            if b.placeholder is not None or (b.module._parameters if b.is_param else b.module._buffers).get(b.attr) is not own:
                 continue  # trainable, or a replaced object (bind raises OffloadedCopyError)
             placeholder = self.placeholder_for(ts)
             if not own.is_set_to(placeholder):
@@ -299,23 +319,23 @@ class Binder:
             if now is not view:
                 # the forward assigned it anew (`self.cache = new`): a buffer of the same shape and dtype goes
                 # into the slot and home like an in-place update; anything else cannot be streamed
-                if spec[2] or not isinstance(now, torch.Tensor) or now.shape != view.shape or now.dtype != view.dtype:
+                if spec.is_param or not isinstance(now, torch.Tensor) or now.shape != view.shape or now.dtype != view.dtype:
                     what = "None" if now is None else (f"a {str(now.dtype).removeprefix('torch.')} tensor of shape "
                                                        f"{tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__)
                     bad = bad or OffloadedEditError(
-                        f"{self._qualname(spec[0])}: the module's forward set this {'parameter' if spec[2] else 'buffer'} "
+                        f"{self._qualname(spec.ts)}: the module's forward set this {'parameter' if spec.is_param else 'buffer'} "
                         f"to {what}; an offloaded tensor keeps its object, shape {tuple(view.shape)} and dtype "
                         f"{str(view.dtype).removeprefix('torch.')} (update it in place instead), or keep this module "
                         "out of the offloaded model")
                     continue
                 with torch.no_grad():
                     view.copy_(now)
-                (dirty := dirty or []).append((spec[0], view))
+                (dirty := dirty or []).append((spec.ts, view))
                 continue
-            if not spec[2]:  # a buffer: written back if it changed while bound
-                changed = spec[1].training if extra is None else view._version != extra
+            if not spec.is_param:  # a buffer: written back if it changed while bound
+                changed = spec.module.training if extra is None else view._version != extra
                 if changed:
-                    (dirty := dirty or []).append((spec[0], view))
+                    (dirty := dirty or []).append((spec.ts, view))
         if dirty:
             with e.lock:
                 e.transfer.write_back(u, dirty, e.store.master(u.uid), e.ring.lookup(u.uid))

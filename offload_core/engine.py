@@ -2,7 +2,7 @@
 
 Life of a streamed unit:
 
-1. Its tensors are packed into the host store (store.py; a PinnedArena slab) and the module keeps
+1. Its tensors are packed into the host store (hoststore.py; a PinnedArena slab) and the module keeps
    0-element placeholders.
 2. When its anchor module is entered (or autograd needs one of its saved weights back), the slab is
    copied into a SlotRing slot (transfer.py): one H2D copy on the copy stream, then a ``ready``
@@ -46,8 +46,8 @@ from .quant import UnitWidener, assign_storage, quantize
 from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
-from .stats import Counters, TimingLog
-from .store import HostStore
+from .stats import Counters, EngineStats, TimingLog
+from .hoststore import HostStore
 from .transfer import Transfer
 from .units import Unit, discover_units
 from .weights import meta_tensor_names
@@ -103,9 +103,9 @@ class OffloadEngine:
         self.treat_as_inference = bool(all_frozen)
         # taken for inference because every parameter required grad: a backward through it is a mistake
         self._auto_inference = self.treat_as_inference and config.treat_as_inference is None
-        self.plan = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
+        self.layout = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
-        self.units: list[Unit] = self.plan.units
+        self.units: list[Unit] = self.layout.units
         depth = planner.initial_depth(config.prefetch, config.vram_budget)
         residency = planner.plan_residency(
             self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
@@ -126,7 +126,7 @@ class OffloadEngine:
 
         # Resident tensors: moved once. Streamed ones: packed (unless the store holds them already),
         # then placeholders.
-        for m, attr, is_param in self.plan.resident:
+        for m, attr, is_param in self.layout.resident:
             self._move_resident(m, attr, is_param)
         for u in self.units:
             if not u.streamed:
@@ -182,7 +182,7 @@ class OffloadEngine:
             from .disk.integrate import open_disk_store
 
             inference = self.treat_as_inference or not any(p.requires_grad for p in self.model.parameters())
-            return open_disk_store(self.model, self.units, self.plan.block_lists, cfg, pin=pin, inference=inference)
+            return open_disk_store(self.model, self.units, self.layout.block_lists, cfg, pin=pin, inference=inference)
         arena = PinnedArena(self.streamed, pin=pin)
         if cfg.weights is not None:
             from .weights import fill_from_checkpoint
@@ -451,6 +451,100 @@ class OffloadEngine:
         return self.widener.staging_bytes + sum(
             (m._parameters if p else m._buffers)[a].nbytes for m, a, p, _ in self._resident_moved
             if (m._parameters if p else m._buffers).get(a) is not None)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        """What the engine counted and measured so far (``handle.stats()`` is its ``as_dict()``)."""
+        c = self.counters
+        if self.is_cuda:
+            dev = self.device
+            vram = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.max_memory_allocated(dev))
+        else:
+            vram = (0, 0, 0)
+        sticky_uids = self.ring.sticky
+        streamed = sum(u.nbytes for u in self.streamed if u.uid not in sticky_uids)
+        sticky = sum(u.nbytes for u in self.streamed if u.uid in sticky_uids)
+        resident = sticky + sum(t.nbytes for u in self.units if not u.streamed for t in u.tensors)
+        resident += sum(
+            (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
+            for m, a, p in self.layout.resident
+            if (m._parameters if p else m._buffers).get(a) is not None
+        )
+        units = [{"name": u.name, "bytes": u.nbytes, "streamed": u.streamed and u.uid not in sticky_uids,
+                  "sticky": u.uid in sticky_uids, "stray": u.stray} for u in self.units]
+        store_stats = self.store.stats()
+        h2d_ms = stall_ms = compute_ms = timed_h2d_ms = 0.0
+        measured = predicted = None
+        # Once the plan is settled one step in timing_every is timed, its readings weighted by the
+        # steps they stand for (stats.TimingLog): the totals are estimates over every step up to the
+        # last timed one, and the copy rate is the timed bytes over the timed copies' ms.
+        timed_steps = c.timed_steps
+        if self.timing is not None:
+            self.timing.resolve(block=True)
+            timed_h2d_ms = self.timing.timed_ms.get("h2d", 0.0)
+            h2d_ms = self.timing.total_ms.get("h2d", 0.0)
+            stall_ms = self.timing.total_ms.get("stall", 0.0)
+            # compute: the spans within a cycle (a use to the next), each counted for the unit used first
+            compute_ms = self.timing.total_ms.get("compute", 0.0)
+            for info, u in zip(units, self.units):
+                info.update({f"{k}_ms": v for k, v in self.timing.per_unit_ms.get(u.uid, {}).items()})
+        if self.timing is not None and self.timing.counts.get("cycle"):
+            # A cycle is root forward to root forward: a training step, or one inference call.
+            measured = self.timing.total_ms["cycle"] / self.timing.counts["cycle"]
+            predicted = self.predict()
+        return EngineStats(
+            vram_allocated_bytes=vram[0], vram_reserved_bytes=vram[1], vram_peak_bytes=vram[2],
+            pinned=self.store.pinned,
+            pinned_capacity_bytes=self.store.capacity_bytes,
+            pinned_used_bytes=self.store.used_bytes,
+            weight_bytes=streamed + resident,
+            streamed_bytes=streamed,
+            resident_bytes=resident,
+            sticky_bytes=sticky,
+            sticky_units=len(sticky_uids),
+            slot_count=len(self.ring.slots),
+            slot_bytes=self.ring.slot_bytes,
+            slot_grows=self.ring.grows,
+            prefetch_depth=self.schedule.depth,
+            staging_bytes=self.widener.staging_bytes,
+            h2d_bytes=c.h2d_bytes,
+            h2d_count=c.h2d_count,
+            d2h_bytes=c.d2h_bytes,
+            d2h_count=c.d2h_count,
+            cache_hits=c.cache_hits,
+            cache_misses=c.cache_misses,
+            cache_evictions=c.cache_evictions,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_misses=c.prefetch_misses,
+            saved_refs=c.saved_refs,
+            refetches=c.refetches,
+            steps=c.steps,
+            planning=self.replanner.active,
+            trace_length=len(self.schedule.trace),
+            trace_relearned=self.schedule.relearned,
+            setup_seconds=self.setup_seconds,
+            num_units=len(self.units),
+            units=units,
+            plan=dict(self.prediction),
+            store_stats=store_stats,
+            timed_steps=timed_steps,
+            measured_step_ms=measured,
+            predicted_step_ms=predicted,
+            h2d_ms=h2d_ms,
+            timed_h2d_ms=timed_h2d_ms,
+            stall_ms=stall_ms,
+            compute_ms=compute_ms,
+            h2d_gbps=(c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0,
+        )
+
+    def reset_stats(self) -> None:
+        """Counters, timings and the device's peak start again from zero."""
+        self.counters.__init__()
+        if self.timing is not None:
+            self.timing.resolve(block=True)
+            self.timing.reset()
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     # ------------------------------------------------------------------ teardown
     def synchronize(self) -> None:

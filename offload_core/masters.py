@@ -33,13 +33,14 @@ from torch import nn
 
 from .errors import copied_module_error
 from .quant import quantize, widen
+from .seams import MastersHost
 from .units import Unit
 
 __all__ = ["Masters", "own_storage"]
 
 
 class Masters:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: MastersHost) -> None:
         self.e = engine
         self._flush: list[Callable[[], None]] = []
         self._written: list[Callable[[Unit, int], None]] = []

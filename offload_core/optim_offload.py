@@ -42,6 +42,7 @@ import torch
 from .cpu_step import TWINS, CpuStepper, hyper
 from .errors import OffloadedEditError, OptimizerOverlapError
 from .hostmem import HostBuffer
+from .seams import OptimizerHost
 
 __all__ = ["OptimizerOffload"]
 
@@ -161,7 +162,7 @@ def _post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 class OptimizerOffload:
-    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, engine: OptimizerHost, optimizer: torch.optim.Optimizer | None = None) -> None:
         cfg = engine.config
         self.engine = engine
         self.overlap_setting = cfg.overlap_optimizer_step

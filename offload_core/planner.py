@@ -32,7 +32,7 @@ from typing import Sequence
 from .errors import VramBudgetError
 from .units import Unit
 
-__all__ = ["Measurements", "Plan", "Residency", "budget_room", "choose", "growth_room", "initial_depth", "interleaved",
+__all__ = ["Measurements", "Plan", "RingPlan", "Residency", "budget_room", "choose", "growth_room", "initial_depth", "interleaved",
            "plan_budget", "plan_growth", "plan_residency", "ring_slots", "simulate"]
 
 DEFAULT_DEPTH = 2
@@ -303,7 +303,9 @@ class Measurements:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RingPlan:
+    """The planner's decision for the ring: sticky units, slots and prefetch depth, and why."""
+
     sticky: frozenset[int]
     slots: int
     depth: int
@@ -318,6 +320,9 @@ class Plan:
         return {"chosen_by": self.chosen_by, "planned_step_ms": self.predicted_ms, "unplanned_step_ms": self.start_ms,
                 "planned_slots": self.slots, "planned_depth": self.depth, "measured_other_bytes": self.other_bytes,
                 "planned_device_bytes": self.device_bytes, "plan_seconds": self.seconds}
+
+
+Plan = RingPlan  # the old name, for code that imports it
 
 
 def predict(m: Measurements) -> float:
@@ -344,7 +349,7 @@ def budget_room(m: Measurements, budget: int) -> int:
     return room
 
 
-def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> Plan:
+def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> RingPlan:
     """Spend ``budget`` (peak allocated bytes, activations included) on sticky units and ring slots.
 
     What the rest of the process took at its peak in the measured cycles is set aside first; the
@@ -354,12 +359,12 @@ def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> Plan:
     res = choose(list(m.trace), list(m.spans), m.copy_ms, m.nbytes, slot_bytes=m.slot_bytes, slots=m.slots,
                  prefetch=m.depth, budget=room, forced=m.forced, candidates=m.candidates, grow_depth=grow_depth,
                  stale=m.stale)
-    return Plan(frozenset(res["sticky"]), m.slots + res["extra_slots"], res["depth"], res["predicted_ms"],
+    return RingPlan(frozenset(res["sticky"]), m.slots + res["extra_slots"], res["depth"], res["predicted_ms"],
                 res["start_ms"], "measured", _other(m), m.fixed_bytes + res["used_bytes"], res["seconds"])
 
 
 def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None = None,
-                max_seconds: float = 2.0) -> Plan | None:
+                max_seconds: float = 2.0) -> RingPlan | None:
     """No budget: deepen the ring into the device's free memory (less ``margin``) while the simulated stall falls.
 
     When the simulation sees nothing to gain but the cycle really stalled (``measured_stall_ms``, at
@@ -395,7 +400,7 @@ def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None
         best = times[-1]
     else:
         best = times[k]
-    return Plan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), best, times[0], chosen_by,
+    return RingPlan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), best, times[0], chosen_by,
                 _other(m), m.engine_bytes + k * m.slot_bytes, time.perf_counter() - t0)
 
 

@@ -8,11 +8,14 @@ takes its entry with it, and ``remove()`` takes it out at once.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .errors import AlreadyOffloadedError
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
 
 __all__ = ["forget", "note", "refuse_if_offloaded"]
 
@@ -37,7 +40,7 @@ def refuse_if_offloaded(model: nn.Module) -> None:
                                         "on that handle first")
 
 
-def note(model: nn.Module, engine: Any) -> None:
+def note(model: nn.Module, engine: OffloadEngine) -> None:
     _ACTIVE[model] = weakref.ref(engine)
 
 

@@ -25,17 +25,16 @@ nor the backward of the last unit used (which runs after its use).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import device, planner
+from .seams import ReplanHost
 
 __all__ = ["Replanner"]
 
 
 class Replanner:
-    def __init__(self, e: Any) -> None:
+    def __init__(self, e: ReplanHost) -> None:
         self.e = e
         cfg = e.config
         self.depth0 = e.schedule.depth
@@ -46,7 +45,7 @@ class Replanner:
                      and e.ring.slot_bytes > 1 and device.limit_bytes(e.device) is not None)
         self.active = e.timing is not None and (self.budget is not None or self.grow)
         self.training = True  # every cycle so far ran its forward with grad enabled
-        self.before: planner.Plan | None = None  # the plan a growth replaced, to go back to
+        self.before: planner.RingPlan | None = None  # the plan a growth replaced, to go back to
         self.grown_at = 0  # the cycle at whose start the last growth was applied
         self.retries_at_growth: int | None = None  # the allocator's retry count when it was applied
         self.judge_from = 0  # the cycle before the growth: its stall is what the growth must cut
@@ -108,7 +107,7 @@ class Replanner:
         return None if m is None else planner.predict(m)
 
     # ------------------------------------------------------------------ applying
-    def apply(self, plan: planner.Plan) -> None:
+    def apply(self, plan: planner.RingPlan) -> None:
         """Make ``plan`` the one in force: sticky units, ring slots, prefetch depth."""
         e = self.e
         e.synchronize()  # no copy may still be landing in a buffer the new plan frees
@@ -220,7 +219,7 @@ class Replanner:
                     e.prediction["growth_retries"] = self.retries
             self.active = self.retry_at != 0 or self.before is not None
             return False
-        self.before = planner.Plan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
+        self.before = planner.RingPlan(m.sticky, m.slots, m.depth, plan.start_ms, plan.start_ms,
                                    "smallest ring" if self.rounds == 0 else "free memory")
         self.rounds += 1
         self.grown_at = k
@@ -234,7 +233,7 @@ class Replanner:
         e = self.e
         slots = len(e.ring.slots) - 1
         p = e.prediction
-        self.apply(planner.Plan(
+        self.apply(planner.RingPlan(
             frozenset(e.ring.sticky), slots, max(self.before.depth, slots - 1), p.get("planned_step_ms", 0.0),
             p.get("unplanned_step_ms", 0.0), f"free memory (one slot fewer: the allocator freed its cache {retried} times)",
             p.get("measured_other_bytes", 0), p.get("planned_device_bytes", 0) - e.ring.slot_bytes))

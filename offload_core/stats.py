@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-__all__ = ["Counters", "TimingLog", "HostEvent", "CopyClock"]
+__all__ = ["Counters", "EngineStats", "TimingLog", "HostEvent", "CopyClock"]
 
 
 class HostEvent:
@@ -54,6 +54,76 @@ class Counters:
     timed_steps: int = 0  # steps whose uses and copies were timed (every one while planning, then 1 in timing_every)
     saved_refs: int = 0  # autograd-saved weight views replaced by references
     refetches: int = 0  # backward uses that had to load a unit again
+
+
+@dataclass
+class EngineStats:
+    """What ``stats()`` returns, as a typed record: ``as_dict()`` is the plain dict ``handle.stats()``
+    hands out (its keys are the fields below, in this order, with the host store's and the optimizer's
+    own keys merged in where ``store_stats`` and ``optimizer_stats`` sit).
+
+    ``measured_step_ms`` and ``predicted_step_ms`` are in the dict only once a timed cycle was read
+    (``predicted_step_ms`` may then be None: nothing to predict from).
+    """
+
+    vram_allocated_bytes: int
+    vram_reserved_bytes: int
+    vram_peak_bytes: int
+    pinned: bool
+    pinned_capacity_bytes: int
+    pinned_used_bytes: int
+    weight_bytes: int
+    streamed_bytes: int
+    resident_bytes: int
+    sticky_bytes: int
+    sticky_units: int
+    slot_count: int
+    slot_bytes: int
+    slot_grows: int
+    prefetch_depth: int
+    staging_bytes: int  # fp8/bf16 storage: raw copies widened into slots
+    h2d_bytes: int
+    h2d_count: int
+    d2h_bytes: int
+    d2h_count: int
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    prefetch_issued: int
+    prefetch_misses: int
+    saved_refs: int
+    refetches: int
+    steps: int
+    planning: bool
+    trace_length: int
+    trace_relearned: int
+    setup_seconds: float
+    num_units: int
+    units: list[dict[str, Any]]
+    plan: dict[str, Any]  # the planner's decisions and predictions (engine.prediction)
+    store_stats: dict[str, Any]  # the host store's own keys (HostStore.stats(): host_store, ...)
+    timed_steps: int
+    measured_step_ms: float | None
+    predicted_step_ms: float | None
+    h2d_ms: float
+    timed_h2d_ms: float  # what the timed copies' events read, unweighted
+    stall_ms: float
+    compute_ms: float
+    h2d_gbps: float
+    optimizer_stats: dict[str, Any] = field(default_factory=dict)  # optimizer offload's own keys, when it is on
+
+    MERGED = ("store_stats", "optimizer_stats")  # fields whose keys are merged into the dict, not kept under their name
+    TIMED_CYCLE = ("measured_step_ms", "predicted_step_ms")  # in the dict only once a cycle was timed
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            name = f.name
+            if name in self.MERGED:
+                out.update(getattr(self, name))
+            elif name not in self.TIMED_CYCLE or self.measured_step_ms is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 @dataclass

@@ -14,7 +14,7 @@ Without streams (the CPU, or ``use_streams=False``) the same calls copy synchron
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from .slots import Slot
 from .stats import CopyClock, Counters, TimingLog
 from .quant import UnitWidener
 from .units import Unit
+
+if TYPE_CHECKING:
+    from .bounce import BounceStore
 
 __all__ = ["Transfer"]
 
@@ -60,7 +63,7 @@ class _On:
 
 class Transfer:
     def __init__(self, device: torch.device, *, use_streams: bool, timing: TimingLog | None, counters: Counters,
-                 widener: UnitWidener, bounce: Any = None) -> None:
+                 widener: UnitWidener, bounce: BounceStore | None = None) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.use_streams = bool(use_streams and self.is_cuda)

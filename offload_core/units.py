@@ -28,7 +28,7 @@ from torch import nn
 
 from .config import Granularity
 
-__all__ = ["TensorSlot", "Unit", "UnitPlan", "discover_units", "ALIGN"]
+__all__ = ["UnitTensor", "Unit", "UnitLayout", "discover_units", "ALIGN", "TensorSlot", "UnitPlan"]
 
 ALIGN = 64
 
@@ -42,7 +42,7 @@ def _esize(dtype: torch.dtype) -> int:
 
 
 @dataclass
-class TensorSlot:
+class UnitTensor:
     """One tensor of a unit: where it is registered and where it sits in the unit's slab."""
 
     module: nn.Module
@@ -85,7 +85,7 @@ class Unit:
     uid: int
     name: str
     anchor: nn.Module
-    tensors: list[TensorSlot] = field(default_factory=list)
+    tensors: list[UnitTensor] = field(default_factory=list)
     nbytes: int = 0  # slot bytes in the compute layout, aligned
     store_nbytes: int = 0  # slab bytes in the storage layout (smaller with fp8)
     streamed: bool = True  # packed in the host arena (False: moved to the device once, for good)
@@ -140,7 +140,10 @@ class Unit:
 
 
 @dataclass
-class UnitPlan:
+class UnitLayout:
+    """How a model splits into units: the units (streamed or not), what stays on the device, and
+    the model's block lists (what discover_units found; the engine keeps it as ``engine.layout``)."""
+
     units: list[Unit]
     resident: list[tuple[nn.Module, str, bool]]  # (module, attr, is_param) kept on the device
     block_lists: list[str]
@@ -148,6 +151,10 @@ class UnitPlan:
     def streamed(self) -> Iterator[Unit]:
         return (u for u in self.units if u.streamed)
 
+
+# The old names ("slot" is a SlotRing buffer, "plan" the planner's decision): kept for code that imports them.
+TensorSlot = UnitTensor
+UnitPlan = UnitLayout
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 # Modules whose forward reads their children's tensors without calling the children: never split.
@@ -198,7 +205,7 @@ def discover_units(
     split_threshold_bytes: int | None = None,
     stream_trainable: bool = False,
     all_frozen: bool = False,
-) -> UnitPlan:
+) -> UnitLayout:
     # Which module paths hold each tensor: tied weights show up twice.
     holders: dict[int, list[tuple[nn.Module, str, bool]]] = {}
     storages: dict[tuple[str, int], set[int]] = {}
@@ -245,7 +252,7 @@ def discover_units(
                         resident.append(h)
                     continue
                 unit.trainable |= trainable
-                unit.tensors.append(TensorSlot(m, n, is_param, t.shape, t.dtype, trainable=trainable))
+                unit.tensors.append(UnitTensor(m, n, is_param, t.shape, t.dtype, trainable=trainable))
         if unit.tensors:
             unit.layout()
             units.append(unit)
@@ -301,4 +308,4 @@ def discover_units(
                     for child in block.children():
                         subtree_unit(child)
         leaf_units(model, skip=in_block)
-    return UnitPlan(units=units, resident=resident, block_lists=[n for n, _ in block_lists])
+    return UnitLayout(units=units, resident=resident, block_lists=[n for n, _ in block_lists])

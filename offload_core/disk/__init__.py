@@ -9,7 +9,7 @@
     checksum   which units this process has checked (xxh3 on a unit's first read; sha256 with disk_verify)
     pool       HostPool: one pinned buffer carved into 4096-aligned slabs
     cache      SlabCache: Belady (FIFO, LRU) over the cache bytes (max_memory less the staging slots)
-    store      DiskStore: the engine's host store over the cache, staging slots and disk workers
+    diskstore  DiskStore: the engine's host store over the cache, staging slots and disk workers
     bind       a live (or meta) model's units matched to the index; its other tensors read
     integrate  open_disk_store: what the engine calls for lazy_load / offload_to_disk
 """
@@ -20,7 +20,7 @@ from .errors import (ShardChecksumError, ShardError, ShardFormatError, ShardMism
                      ShardSourceNotFound, ShardWriteError)
 from .format import FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, ShardIndex, load_index
 from .source import SafetensorsSource
-from .store import DiskStore
+from .diskstore import DiskStore
 from .verify import verify_shards
 from .write import free_host_copies, shard_checkpoint, shard_model
 

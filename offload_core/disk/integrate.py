@@ -35,7 +35,7 @@ from ..units import Unit
 from ..weights import fill_computed_tensors
 from .bind import base_name, bind_units, materialize
 from .format import ShardIndex, load_index
-from .store import DiskStore
+from .diskstore import DiskStore
 from .write import free_host_copies, shard_model
 
 __all__ = ["open_disk_store", "default_max_memory", "split_max_memory", "max_memory_for"]

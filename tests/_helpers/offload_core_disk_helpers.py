@@ -10,7 +10,7 @@ from torch import nn
 
 from offload_core.disk.bind import bind_units
 from offload_core.disk.format import ShardIndex, load_index
-from offload_core.disk.store import DiskStore
+from offload_core.disk.diskstore import DiskStore
 from offload_core.disk.write import shard_model
 from offload_core.quant import widen
 from offload_core.units import Unit, UnitPlan, discover_units

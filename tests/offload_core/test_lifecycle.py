@@ -250,7 +250,7 @@ class SlowStore:
 
 def test_a_second_host_store_plugs_in_without_engine_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     from offload_core.engine import OffloadEngine
-    from offload_core.store import HostStore
+    from offload_core.hoststore import HostStore
 
     made: list[SlowStore] = []
     original = OffloadEngine._make_store

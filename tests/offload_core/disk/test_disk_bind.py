@@ -20,7 +20,7 @@ import torch
 from offload_core.disk.bind import base_name, bind_units, materialize
 from offload_core.disk.errors import ShardMismatchError
 from offload_core.disk.format import load_index
-from offload_core.disk.store import DiskStore
+from offload_core.disk.diskstore import DiskStore
 from offload_core.quant import fake_quantize
 from offload_core.shard import shard_checkpoint
 from offload_core.units import discover_units

@@ -14,7 +14,7 @@ from torch import nn
 from offload_core.disk.bind import bind_units
 from offload_core.disk.errors import ShardWriteError
 from offload_core.disk.format import load_index
-from offload_core.disk.store import DiskStore
+from offload_core.disk.diskstore import DiskStore
 from offload_core.disk.verify import verify_shards
 from offload_core.disk.write import free_host_copies, shard_model
 from offload_core.quant import quantize, storage_dtype, widen
