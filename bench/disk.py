@@ -263,7 +263,7 @@ def ours(model: BlockStack, units: list[Unit], index: ShardIndex, x: torch.Tenso
                       policy=policy, pin=device.type == "cuda")
     try:
         driver = StoreDriver(model, units, store, device)
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         cold = timed(lambda: driver.run(x))
         s0 = store.stats()
         warm = [timed(lambda: driver.run(x)) for _ in range(args.passes)]

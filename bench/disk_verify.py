@@ -57,7 +57,7 @@ def one_pass(model: Any, units: list, index: ShardIndex, mode: str, workers: int
     entries = bind_units(units, index, model)
     store = DiskStore(units, index, entries, cache_bytes=0, num_disk_workers=workers, verify=mode == "sha256")
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         t0, c0 = time.perf_counter(), time.process_time()
         for u in units:
             store.acquire(u.uid)

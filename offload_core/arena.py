@@ -63,7 +63,7 @@ class PinnedArena:
         return bool(self._buffers) and all(b.pinned for b in self._buffers)
 
     # ------------------------------------------------------------------ HostStore
-    def plan(self, trace: Sequence[int]) -> None:
+    def follow_trace(self, trace: Sequence[int]) -> None:
         """Everything is in RAM already: nothing to schedule."""
 
     def acquire(self, uid: int, *, block: bool = True) -> torch.Tensor | None:

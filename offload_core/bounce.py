@@ -327,7 +327,7 @@ class BounceStore:
         return self.ring.nbuf * self.ring.chunk
 
     # ------------------------------------------------------------------ HostStore
-    def plan(self, trace: Sequence[int]) -> None:
+    def follow_trace(self, trace: Sequence[int]) -> None:
         """Fills follow the engine's requests, which follow the trace: nothing to schedule."""
 
     def acquire(self, uid: int, *, block: bool = True) -> torch.Tensor | None:

@@ -302,7 +302,7 @@ class OffloadEngine:
             had_trace = self.schedule.learned
             self.schedule.start_cycle()
             if self.schedule.learned and (not had_trace or self.schedule.relearned != relearned):
-                self.store.plan(list(self.schedule.trace))
+                self.store.follow_trace(list(self.schedule.trace))
             for cb in self._cycle_callbacks:
                 cb()
             try:

@@ -4,7 +4,7 @@ The engine never asks where the bytes live. It asks the store for a unit's slab 
 copies it to the device, and hands it back once the copy has read it (``release``, with the copy's
 event). ``PinnedArena`` (arena.py) keeps every unit in pinned RAM from setup on, so its acquire is a
 lookup and its release does nothing; a disk store reads unit files into a cache of pinned slabs in
-trace order (``plan``) and evicts what the trace needs last. The hot path is the same for both.
+trace order (``follow_trace``) and evicts what the trace needs last. The hot path is the same for both.
 
 Writes go through ``master``: in-place-updated buffers written back from the device, optimizer
 masters and ``load_state_dict``. A unit written to is the store's to keep (a disk store never
@@ -33,7 +33,7 @@ class HostStore(Protocol):
     capacity_bytes: int     # host bytes held for slabs
     used_bytes: int         # tensor bytes currently held
 
-    def plan(self, trace: Sequence[int]) -> None:
+    def follow_trace(self, trace: Sequence[int]) -> None:
         """The traced order of unit uses (one cycle, repeating); called whenever the schedule (re)learns."""
 
     def acquire(self, uid: int, *, block: bool = True) -> torch.Tensor | None:

@@ -281,7 +281,7 @@ class _Core:
         if self.error is not None:
             raise type(self.error)(str(self.error))
 
-    def plan(self, trace: Sequence[int]) -> None:
+    def follow_trace(self, trace: Sequence[int]) -> None:
         with self.cond:
             self.skip = set()
             self.trace = NextUse([uid for uid in trace])
@@ -497,9 +497,9 @@ class DiskStore:
     def used_bytes(self) -> int:
         return self._core.used_bytes()
 
-    def plan(self, trace: Sequence[int]) -> None:
+    def follow_trace(self, trace: Sequence[int]) -> None:
         """The traced order of unit uses (one cycle, repeating): what to read ahead and what to keep."""
-        self._core.plan(trace)
+        self._core.follow_trace(trace)
 
     def acquire(self, uid: int, *, block: bool = True) -> torch.Tensor | None:
         """The unit's slab (uint8, store_nbytes long), valid until release(); None (block=False) while it is

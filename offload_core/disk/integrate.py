@@ -132,5 +132,5 @@ def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[s
         # ahead in that order from the start; the embedders and heads around them come when asked, and
         # the first traced cycle replaces the guess. Training is not guessed: its first step also runs
         # backward, in reverse.
-        store.plan([u.uid for u in streamed if not u.stray])
+        store.follow_trace([u.uid for u in streamed if not u.stray])
     return store

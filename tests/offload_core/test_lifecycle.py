@@ -218,7 +218,7 @@ class SlowStore:
     capacity_bytes = property(lambda self: self.arena.capacity_bytes)
     used_bytes = property(lambda self: self.arena.used_bytes)
 
-    def plan(self, trace) -> None:
+    def follow_trace(self, trace) -> None:
         self.traces.append(list(trace))
 
     def acquire(self, uid: int, *, block: bool = True):

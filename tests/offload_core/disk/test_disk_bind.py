@@ -45,7 +45,7 @@ def _from_shards(shards: Path, src: Path, dtype: torch.dtype = torch.float32, gr
     materialize(model, index, streamed, "cpu")  # strays and tied tensors: read; streamed: placeholders
     store = DiskStore(streamed, index, entries, cache_bytes=max_memory, num_disk_workers=2)
     try:
-        store.plan([u.uid for u in streamed])
+        store.follow_trace([u.uid for u in streamed])
         bind_from_store(store, streamed)
     finally:
         store.close()

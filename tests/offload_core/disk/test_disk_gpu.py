@@ -36,7 +36,7 @@ def test_async_copies_out_of_pinned_slabs_are_exact(tmp_path: Path, f: float) ->
     copy = torch.cuda.Stream()
     try:
         assert store.pinned
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         for _ in range(4):
             outs = []
             for u in units:

@@ -45,7 +45,7 @@ def test_hit_rate_is_the_cached_fraction(stack: tuple, f: float) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, f, num_disk_workers=2)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         cold, cold_reads = _rate(store, 1, units)  # the first pass reads everything: nothing is cached yet
         assert cold == 0.0 and cold_reads == len(units)
         rate, reads = _rate(store, 20, units)
@@ -67,7 +67,7 @@ def test_fifo_and_lru_get_about_nothing_from_a_cycle(stack: tuple, policy: str, 
     units = block_units(plan)
     store = open_store(model, units, index, f, num_disk_workers=2, policy=policy)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         rate, reads = _rate(store, 20, units)
         assert rate <= 0.02 and reads >= 0.98 * 20 * len(units)
@@ -82,7 +82,7 @@ def test_a_cache_bigger_than_the_model_holds_just_the_model(stack: tuple) -> Non
     store = open_store(model, units, index, 4.0)
     try:
         assert store.stats()["disk_cache_capacity_bytes"] == sum(index.units[u.name].read_nbytes for u in units)
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         assert _rate(store, 2, units)[0] == 1.0
     finally:
@@ -108,7 +108,7 @@ def test_every_slab_holds_the_model_bytes(stack: tuple, policy: str) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, 0.5, num_disk_workers=3, policy=policy, verify=True)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         for _ in range(3):
             for u in units:
                 slab = store.acquire(u.uid)
@@ -136,7 +136,7 @@ def test_workers_read_ahead_in_trace_order(stack: tuple, monkeypatch: pytest.Mon
     trace = [u.uid for u in reversed(units)]  # any order: the trace's, not the model's
     store = open_store(model, units, index, 0.0, num_disk_workers=1, stream_slots=4)
     try:
-        store.plan(trace)
+        store.follow_trace(trace)
         deadline = time.monotonic() + 10
         while len(order) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -180,7 +180,7 @@ def test_a_finished_copy_frees_its_slot_for_the_next_read_with_no_call_from_the_
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=2)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         assert _wait_reads(store, 2) == 2  # both staging slots read ahead
         copies = [_Copy(), _Copy()]
         for u, ev in zip(units[:2], copies):
@@ -226,7 +226,7 @@ def test_trace_positions_the_engine_never_asks_for_are_learned(stack: tuple) -> 
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=1, stream_slots=3)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         asked = [u for i, u in enumerate(units) if i % 10 != 5]
         for _ in range(4):
             one_pass(store, asked)
@@ -243,7 +243,7 @@ def test_the_position_follows_a_first_use_in_mid_trace(stack: tuple) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=3)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units[20:])
         for _ in range(3):
             one_pass(store, units)
@@ -262,7 +262,7 @@ def test_a_written_unit_is_kept_and_keeps_what_was_written(stack: tuple) -> None
     units = block_units(plan)
     store = open_store(model, units, index, 0.25, num_disk_workers=2)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         last = units[-1]  # streamed, not cached: the subset kept is the first quarter
         master = store.master(last.uid)
@@ -293,7 +293,7 @@ def test_a_unit_read_ahead_into_a_staging_slot_can_be_kept(stack: tuple) -> None
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=1, stream_slots=2)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         assert _wait_reads(store, 2) == 2
         first = store._core.units[units[0].uid]
         assert first.where == "stream" and first.entry.nbytes % 4096  # a ragged unit: the case that broke
@@ -357,7 +357,7 @@ def test_missing_unit_file(tmp_path: Path, stack: tuple) -> None:
     gone.unlink()
     store = open_store(model, units, index, 0.0)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         exc = _acquire_all_in_thread(store, units)
         assert isinstance(exc, ShardReadError) and str(exc).startswith(f"{gone}: missing")
     finally:
@@ -404,7 +404,7 @@ def test_a_unit_file_deleted_mid_run(tmp_path: Path, stack: tuple) -> None:
     model, units, index = _broken_copy(tmp_path, stack)
     store = open_store(model, units, index, 0.25, num_disk_workers=2)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         assert _acquire_all_in_thread(store, units, 2) is None
         victim = index.root / index.units[units[-1].name].file  # streamed every pass
         victim.unlink()
@@ -422,14 +422,14 @@ def test_close_while_reading_and_drop_without_close(stack: tuple) -> None:
     store = open_store(model, units, index, 0.5, num_disk_workers=3)
     threads = list(store._core.workers)
     assert len(threads) == 3 and all(t.is_alive() for t in threads)
-    store.plan([u.uid for u in units])
+    store.follow_trace([u.uid for u in units])
     t0 = time.monotonic()
     store.close()  # reads in flight: they finish or are dropped, the workers end
     assert time.monotonic() - t0 < 10 and not any(t.is_alive() for t in threads)
     store.close()  # twice is fine
     store = open_store(model, units, index, 0.5, num_disk_workers=3)
     threads = list(store._core.workers)
-    store.plan([u.uid for u in units])
+    store.follow_trace([u.uid for u in units])
     one_pass(store, units)
     del store  # dropped without close(): the finalizer stops the workers and frees the pool
     gc.collect()
@@ -444,7 +444,7 @@ def test_stats_name_what_the_issue_asks_for(stack: tuple) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, 0.5)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         one_pass(store, units)
         s = store.stats()

@@ -59,7 +59,7 @@ def test_each_unit_is_checked_on_its_first_read_only(stack: tuple) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=1)  # no cache: every use is a read
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         for _ in range(3):
             one_pass(store, units)
         s = store.stats()
@@ -75,7 +75,7 @@ def test_disk_verify_checks_the_sha256_on_every_read(stack: tuple) -> None:
     units = block_units(plan)
     store = open_store(model, units, index, 0.0, num_disk_workers=1, verify=True)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         for _ in range(3):
             one_pass(store, units)
         s = store.stats()
@@ -89,7 +89,7 @@ def test_a_same_size_change_is_a_named_error_by_default(tmp_path: Path, stack: t
     bad = _scale_one_tensor(index, units[3].name)
     store = open_store(model, units, index, 0.0)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         with pytest.raises(ShardChecksumError) as info:
             one_pass(store, units)
         assert str(info.value).startswith(f"{bad}: unit {units[3].name} does not match its xxh3_64")
@@ -102,7 +102,7 @@ def test_a_change_after_the_first_check_is_caught_on_the_next_read(tmp_path: Pat
     model, units, index = _copy(tmp_path, stack)
     store = open_store(model, units, index, 0.0, num_disk_workers=1)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         bad = _scale_one_tensor(index, units[5].name)
         with pytest.raises(ShardChecksumError, match=f"^{bad}: unit {units[5].name}"):
@@ -125,7 +125,7 @@ def test_an_index_without_the_fast_checksum_falls_back_to_the_sha256_once(tmp_pa
     assert not any(e.xxh3 for e in old.slabs())
     store = open_store(model, units, old, 0.0, num_disk_workers=1)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         one_pass(store, units)
         one_pass(store, units)
         assert store.stats()["disk_first_read_checks"] == len(units)
@@ -135,7 +135,7 @@ def test_an_index_without_the_fast_checksum_falls_back_to_the_sha256_once(tmp_pa
     bad = _scale_one_tensor(old, units[1].name)
     store = open_store(model, units, old, 0.0)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         with pytest.raises(ShardChecksumError, match=f"^{bad}: unit {units[1].name} does not match its sha256"):
             one_pass(store, units)
     finally:

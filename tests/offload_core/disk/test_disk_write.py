@@ -147,7 +147,7 @@ def test_reads_on_a_tmpfs(tmp_path: Path) -> None:
         units = block_units(plan)
         store = open_store(model, units, index, 0.5, num_disk_workers=2, verify=True)
         try:
-            store.plan([u.uid for u in units])
+            store.follow_trace([u.uid for u in units])
             for _ in range(3):
                 one_pass(store, units)
             assert store.stats()["disk_reads"] > 0
@@ -177,7 +177,7 @@ def test_reads_fall_back_to_buffered_where_o_direct_is_refused(tmp_path: Path, m
     monkeypatch.setattr(read_mod.os, "open", no_direct)
     store = open_store(model, units, index, 0.0, num_disk_workers=2, verify=True)
     try:
-        store.plan([u.uid for u in units])
+        store.follow_trace([u.uid for u in units])
         for _ in range(2):
             one_pass(store, units)
         s = store.stats()
