@@ -18,6 +18,7 @@
     │   ├── PromptError     a prompt whose inline options do not parse
     │   ├── OptimizerError  train.optimizer names a library that is not installed
     │   └── SetupError      other bad input found before the work starts
+    ├── NoCuda              (jobs.runners.errors) the job asks for CUDA this torch cannot use: reason no_cuda
     └── NonFiniteLoss       (jobs.runners.errors) the loss became NaN or infinite: reason nonfinite_loss
 
 The subclasses defined elsewhere live beside the code that raises them (the executors, the

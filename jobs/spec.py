@@ -189,6 +189,11 @@ class OffloadSpec(_Strict):
     disk_direct: Optional[bool] = Field(None, description="O_DIRECT disk reads (default: where the filesystem allows).")
     disk_stream_slots: Optional[int] = Field(
         None, ge=1, le=1024, description="Staging slots the disk workers read into (default num_disk_workers + 2).")
+    pinned_limit: Optional[Bytes] = Field(
+        None, description="Most host memory to pin (default: what the box allows); past it, weights stream from "
+                          "pageable RAM through a pinned bounce ring of this size.")
+    num_copy_threads: Optional[int] = Field(
+        None, ge=1, le=64, description="Threads filling the bounce ring from pageable RAM (default: by core count).")
     enable_optimizer_cpu_offload: Optional[bool] = None
     weight_dtype: Optional[str] = Field(None, description="Storage dtype, e.g. float8_e4m3fn.")
     vram_margin: Optional[Bytes] = Field(

@@ -31,6 +31,7 @@ class PinnedArena:
     def __init__(self, units: Sequence[Unit], *, pin: bool, chunk_bytes: int = _CHUNK) -> None:
         self.pin_requested = pin
         self.host_store_reason = ""
+        self.pinned_limit_bytes = 0  # the limit _pin_or_bounce checked this arena against
         self._buffers: list[HostBuffer] = []
         self._slabs: dict[int, torch.Tensor] = {}
         groups: list[list[Unit]] = [[]]
@@ -83,6 +84,7 @@ class PinnedArena:
 
     def stats(self) -> dict[str, Any]:
         return {"host_store": "arena", "host_store_reason": self.host_store_reason,
+                "pinned_limit_bytes": self.pinned_limit_bytes,
                 "host_arena_bytes": self.allocated_bytes, "host_buffers": len(self._buffers)}
 
     def close(self) -> None:

@@ -203,6 +203,7 @@ class OffloadEngine:
         cfg = self.config
         limit = pinned_limit(cfg.pinned_limit)
         want = arena.capacity_bytes
+        arena.pinned_limit_bytes = limit
         if not arena.pin_requested:
             arena.host_store_reason = "no CUDA device, or cpu_offload is off: nothing to pin"
             if self.device.type == "cpu" and want > limit:

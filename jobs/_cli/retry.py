@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from jobs._cli.output import job_summary, print_json
+from jobs.contract import JobState
 
 
 def retry(

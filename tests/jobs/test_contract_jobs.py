@@ -31,8 +31,9 @@ TRAIN_STEPS = 6
 TRAIN_FIELDS = {Metric.step, Metric.total_steps, Metric.loss, Metric.lr, Metric.epoch, Metric.it_s,
                 Metric.step_seconds, Metric.eta_seconds, Metric.host_rss_bytes, Metric.host_total_bytes}
 INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss_bytes, Metric.host_total_bytes}
-# Every forwarded engine stat but the disk rate, which only a disk-backed store has.
-ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps}
+# Every forwarded engine stat but the disk rate, which only a disk-backed store has, and the bounce
+# ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs).
+ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps, Metric.bounce_fill_gbps}
 
 
 def _builder() -> Any:
@@ -54,8 +55,9 @@ def _specs(tiny: dict[str, Path], shards: Path) -> dict[str, dict[str, Any]]:
                   "train": {"dataset": str(tiny["images"]), "steps": TRAIN_STEPS, "learning_rate": 1e-2,
                             "lora_rank": 4, "max_sequence_length": 32, "max_pixels": 1024},
                   **common},
+        # a pinned limit under the streamed bytes: the bounce store (its CPU path) carries this one
         "infer": {"kind": "infer", "name": "contract-infer", "model": {"path": str(tiny["flux"])},
-                  "offload": dict(CPU_OFFLOAD), "infer": dict(infer), **common},
+                  "offload": {**CPU_OFFLOAD, "pinned_limit": "64KiB"}, "infer": dict(infer), **common},
         # wan: its rope tables are computed, not read, so every weight comes from the shards
         "lazy": {"kind": "infer", "name": "contract-lazy", "model": {"path": str(tiny["wan"])},
                  "offload": {**CPU_OFFLOAD, "lazy_load": True, "shard_dir": str(shards), "max_memory": 0},
@@ -110,6 +112,8 @@ def test_the_runners_write_every_field_of_the_contract(jobs_done: dict[str, dict
     assert _missing(train[-1], TRAIN_FIELDS | ENGINE_FIELDS) == []
     assert _missing(infer[-1], INFER_FIELDS | ENGINE_FIELDS) == []
     assert lazy[-1].get(Metric.disk_gbps) is not None and lazy[-1][Metric.disk_gbps] > 0
+    assert infer[-1].get(Metric.host_store) == "bounce" and infer[-1].get(Metric.bounce_fill_gbps) is not None
+    assert train[-1].get(Metric.host_store) == "arena"
     # Only names the contract knows: a new field is added there first
     for rows in (train, infer, lazy):
         assert set(rows[-1]) <= set(StepMetrics.__annotations__) | set(ENGINE_STATS)
