@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from jobs._cli.output import job_summary, print_json
+from jobs._cli.connect import JobAsJson, JobRef, act_on_job
 from jobs.contract import JobState
 
 
-def cancel(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
-    json_out: Annotated[bool, typer.Option("--json", help="Print the job as a JSON object.")] = False,
-) -> None:
+def cancel(job: JobRef, json_out: JobAsJson = False) -> None:
     """Cancel a pending or running job. Its whole process tree is stopped."""
-    from jobs._cli.connect import connect, resolve_job
-
-    client = connect()
-    job_id = str(resolve_job(client, job)["id"])
-    data = client.cancel(job_id)
-    if json_out:
-        print_json(job_summary(data))
-    else:
-        typer.echo(f"{job_id} {data.get('status', JobState.CANCELLING)}")
+    act_on_job(job, lambda client, job_id: client.cancel(job_id), json_out,
+               lambda job_id, data: f"{job_id} {data.get('status', JobState.CANCELLING)}")

@@ -1,18 +1,26 @@
-"""Finding the worker and the job a user means: the client, and job ids given as a unique prefix."""
+"""Finding the worker and the job a user means: the client, job ids given as a unique prefix, and
+the verbs that act on one job (`cancel`, `retry`) and print what the worker answered."""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
-from jobs._cli.output import CliError
+import typer
+
+from jobs._cli.output import CliError, job_summary, print_json
 
 if TYPE_CHECKING:
     from jobs.client import JobsClient
 
-__all__ = ["connect", "resolve_job"]
+__all__ = ["JobRef", "JobAsJson", "connect", "resolve_job", "act_on_job"]
 
 _ID_CHARS = re.compile(r"[A-Za-z0-9_.:-]+")
+
+# The JOB argument of every verb that takes one, and the --json flag of those that print the job.
+JobRef = Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)]
+JobAsJson = Annotated[bool, typer.Option("--json", help="Print the job as a JSON object.")]
 
 
 def connect() -> JobsClient:
@@ -43,3 +51,16 @@ def resolve_job(client: JobsClient, ref: str) -> dict[str, Any]:
         more = f" and {len(matches) - 5} more" if len(matches) > 5 else ""
         raise CliError(f"job id prefix {ref!r} is ambiguous: it matches {shown}{more}")
     return client.get(str(matches[0]["id"]))
+
+
+def act_on_job(ref: str, act: Callable[[JobsClient, str], dict[str, Any]], json_out: bool,
+               line: Callable[[str, dict[str, Any]], str]) -> None:
+    """Resolve `ref`, have the worker act on that job, then print the job it answered with: as JSON,
+    or as the one `line(job_id, job)`."""
+    client = connect()
+    job_id = str(resolve_job(client, ref)["id"])
+    data = act(client, job_id)
+    if json_out:
+        print_json(job_summary(data))
+    else:
+        typer.echo(line(job_id, data))

@@ -6,11 +6,13 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+
+from jobs._cli.connect import JobRef
 from jobs.contract import JobState
 
 
 def logs(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
+    job: JobRef,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
     tail: Annotated[Optional[int], typer.Option("--tail", "-n", min=0, help="Start with only the last N lines.",
                                                 show_default=False)] = None,

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from jobs._cli.connect import JobRef
 from jobs._cli.output import CliError, console, fmt_duration, print_json
 from jobs.errors import RunDirError
 from jobs.rundir import RunDir
@@ -100,7 +101,7 @@ def run_state(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def outputs(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
+    job: JobRef,
     copy: Annotated[Optional[Path], typer.Option("--copy", help="Copy the outputs into this folder (created).",
                                                  show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the files as JSON.")] = False,

@@ -7,11 +7,12 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from jobs._cli.connect import JobRef
 from jobs._cli.output import CliError
 
 
 def report(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
+    job: JobRef,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Write here (default: report.html in the job's run dir).", show_default=False)] = None,
     open_it: Annotated[bool, typer.Option("--open", help="Open the file in a browser when written.")] = False,

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
+from jobs._cli.connect import JobAsJson, JobRef
 from jobs._cli.output import console, job_detail, job_summary, print_json
 
 
@@ -28,8 +25,8 @@ def run_state_lines(state: dict) -> str:
 
 
 def show(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
-    json_out: Annotated[bool, typer.Option("--json", help="Print the job as a JSON object.")] = False,
+    job: JobRef,
+    json_out: JobAsJson = False,
 ) -> None:
     """Show one job: status and reason, attempt, times, exit code, run dir and latest metrics."""
     from jobs._cli.connect import connect, resolve_job

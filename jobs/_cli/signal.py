@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from jobs._cli.connect import JobRef
 from jobs._cli.output import print_json
 
 
@@ -17,7 +18,7 @@ class Action(str, enum.Enum):
 
 
 def signal(
-    job: Annotated[str, typer.Argument(help="Job id, or a unique prefix of one.", show_default=False)],
+    job: JobRef,
     action: Annotated[Action, typer.Argument(help="save: a checkpoint now; sample: render the sample prompts now; "
                                                    "stop: a checkpoint, the LoRA file, then exit.", show_default=False)],
     json_out: Annotated[bool, typer.Option("--json", help="Print the worker's answer as JSON.")] = False,
