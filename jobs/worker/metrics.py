@@ -14,26 +14,38 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from jobs.contract import JobState, Metric
 
-__all__ = ["WorkerMetrics", "TimingMiddleware", "JOB_GAUGES", "job_gauges", "live_jobs"]
+__all__ = ["WorkerMetrics", "TimingMiddleware", "JOB_GAUGES", "job_gauges", "live_jobs", "base_unit_factor"]
 
 
+# A contract name's unit suffix -> the factor to Prometheus's base units (GB/s to bytes a second,
+# ms to seconds); the other names are counts, bytes or seconds already.
+BASE_UNIT_FACTORS: dict[str, float] = {"_gbps": 1e9, "_ms": 1e-3}
+
+
+def base_unit_factor(name: str) -> float:
+    return next((f for suffix, f in BASE_UNIT_FACTORS.items() if name.endswith(suffix)), 1.0)
+
+
+# Metric name -> (exported name, help); JOB_GAUGES adds each one's factor to base units.
+_EXPORTED: dict[str, tuple[str, str]] = {
+    Metric.step: ("offload_jobs_job_step", "The job's step (a train step, an infer image)."),
+    Metric.total_steps: ("offload_jobs_job_total_steps", "The steps the job will take."),
+    Metric.loss: ("offload_jobs_job_loss", "Training loss of the last step."),
+    Metric.it_s: ("offload_jobs_job_steps_per_second", "Steps a second since the attempt started."),
+    Metric.eta_seconds: ("offload_jobs_job_eta_seconds", "Seconds until the last step, at the current rate."),
+    Metric.host_rss_bytes: ("offload_jobs_job_host_rss_bytes", "Resident memory of the job's process."),
+    Metric.vram_allocated_bytes: ("offload_jobs_job_vram_allocated_bytes", "GPU memory allocated by torch."),
+    Metric.vram_peak_bytes: ("offload_jobs_job_vram_peak_bytes", "Peak GPU memory allocated by torch."),
+    Metric.pinned_used_bytes: ("offload_jobs_job_pinned_used_bytes", "Pinned host memory the engine holds."),
+    Metric.cache_hits: ("offload_jobs_job_cache_hits", "Weight-cache hits this attempt (cumulative)."),
+    Metric.cache_misses: ("offload_jobs_job_cache_misses", "Weight-cache misses this attempt (cumulative)."),
+    Metric.h2d_gbps: ("offload_jobs_job_h2d_bytes_per_second", "Host-to-device copy rate."),
+    Metric.disk_gbps: ("offload_jobs_job_disk_read_bytes_per_second", "Disk read rate (disk-backed weights)."),
+    Metric.stall_ms: ("offload_jobs_job_stall_seconds", "Time compute waited for weights (cumulative)."),
+}
 # Metric name -> (exported name, help, factor to base units).
 JOB_GAUGES: dict[str, tuple[str, str, float]] = {
-    Metric.step: ("offload_jobs_job_step", "The job's step (a train step, an infer image).", 1.0),
-    Metric.total_steps: ("offload_jobs_job_total_steps", "The steps the job will take.", 1.0),
-    Metric.loss: ("offload_jobs_job_loss", "Training loss of the last step.", 1.0),
-    Metric.it_s: ("offload_jobs_job_steps_per_second", "Steps a second since the attempt started.", 1.0),
-    Metric.eta_seconds: ("offload_jobs_job_eta_seconds", "Seconds until the last step, at the current rate.", 1.0),
-    Metric.host_rss_bytes: ("offload_jobs_job_host_rss_bytes", "Resident memory of the job's process.", 1.0),
-    Metric.vram_allocated_bytes: ("offload_jobs_job_vram_allocated_bytes", "GPU memory allocated by torch.", 1.0),
-    Metric.vram_peak_bytes: ("offload_jobs_job_vram_peak_bytes", "Peak GPU memory allocated by torch.", 1.0),
-    Metric.pinned_used_bytes: ("offload_jobs_job_pinned_used_bytes", "Pinned host memory the engine holds.", 1.0),
-    Metric.cache_hits: ("offload_jobs_job_cache_hits", "Weight-cache hits this attempt (cumulative).", 1.0),
-    Metric.cache_misses: ("offload_jobs_job_cache_misses", "Weight-cache misses this attempt (cumulative).", 1.0),
-    Metric.h2d_gbps: ("offload_jobs_job_h2d_bytes_per_second", "Host-to-device copy rate.", 1e9),
-    Metric.disk_gbps: ("offload_jobs_job_disk_read_bytes_per_second", "Disk read rate (disk-backed weights).", 1e9),
-    Metric.stall_ms: ("offload_jobs_job_stall_seconds", "Time compute waited for weights (cumulative).", 1e-3),
-}
+    name: (exported, help_text, base_unit_factor(name)) for name, (exported, help_text) in _EXPORTED.items()}
 
 
 def job_gauges(jobs: list[Mapping[str, Any]]) -> Iterator[GaugeMetricFamily]:
