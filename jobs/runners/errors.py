@@ -1,17 +1,8 @@
 """Which runner failures are the user's to fix, and the reason each one reports to the worker.
 
-The runners' own errors, on the tree drawn in `jobs.errors`:
-
-    JobsError
-    ├── RunnerInputError    bad input to a train or infer job: reason setup_failed, exit 2
-    │   ├── DatasetError    a missing or unreadable file, a missing column, no images at all
-    │   ├── FamilyError     a model folder that is not a diffusers folder of the family asked for
-    │   ├── LoraError       a LoRA that cannot be made or used
-    │   ├── PromptError     a prompt whose inline options do not parse
-    │   ├── OptimizerError  train.optimizer names a library that is not installed
-    │   └── SetupError      other bad input found before the work starts
-    ├── NoCuda              target_device cuda with a torch that cannot use CUDA: reason no_cuda
-    └── NonFiniteLoss       the loss became NaN or infinite: reason nonfinite_loss
+The runners' own errors (`RunnerInputError` and its subclasses, `NoCuda`, `NonFiniteLoss`) are drawn
+on the one tree of the jobs wing's errors, in `jobs.errors`. Input errors report reason setup_failed
+and exit 2; `NoCuda` reports no_cuda and `NonFiniteLoss` nonfinite_loss.
 """
 
 from __future__ import annotations
