@@ -13,6 +13,7 @@ import copy
 import datetime
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,31 +82,55 @@ def line_of(node: Any, field: str | None) -> int | None:
 _PLAIN = (str, int, float, bool, type(None))
 
 
+class _BoundedWalk:
+    """A depth-first walk over a spec's values (or its YAML nodes) that refuses an alias bomb (more
+    than MAX_NODES values) and nesting past MAX_DEPTH; `refuse(item, field, message)` makes the
+    SpecError, so each walker names what it knows (the YAML line, the file)."""
+
+    def __init__(self, root: Any, refuse: Callable[[Any, str | None, str], SpecError]) -> None:
+        self.stack: list[tuple[Any, str, int]] = [(root, "", 0)]
+        self.refuse = refuse
+
+    def __iter__(self) -> Iterator[tuple[Any, str, int]]:
+        seen = 0
+        while self.stack:
+            item, path, depth = self.stack.pop()
+            seen += 1
+            if seen > MAX_NODES:
+                raise self.refuse(item, path or None, f"the spec holds more than {MAX_NODES} values (a YAML alias bomb?)")
+            yield item, path, depth
+
+    def enter(self, item: Any, path: str, depth: int) -> None:
+        """`item` is a mapping or a list: refuse it past MAX_DEPTH."""
+        if depth >= MAX_DEPTH:
+            raise self.refuse(item, path or None, f"nested more than {MAX_DEPTH} levels deep")
+
+    def push(self, item: Any, path: str, depth: int) -> None:
+        self.stack.append((item, path, depth))
+
+    def push_items(self, seq: Any, items: list[Any], path: str, depth: int) -> None:
+        """The items of the list `seq` (at `path`, `depth`), after the depth check."""
+        self.enter(seq, path, depth)
+        for i, v in enumerate(items):
+            self.push(v, f"{path}[{i}]", depth + 1)
+
+
 def check_tree(data: Any) -> None:
     """Refuse, naming the field, what no field can hold: NaN/inf, huge ints, NUL bytes, binary,
     dates, non-string keys, nesting past MAX_DEPTH, more than MAX_NODES values (alias bombs)."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    seen = 0
-    while stack:
-        value, path, depth = stack.pop()
-        seen += 1
-        if seen > MAX_NODES:
-            raise SpecError(path or None, f"the spec holds more than {MAX_NODES} values (a YAML alias bomb?)")
+    walk = _BoundedWalk(data, lambda _value, where, message: SpecError(where, message))
+    for value, path, depth in walk:
         where = path or None
         if isinstance(value, dict):
-            if depth >= MAX_DEPTH:
-                raise SpecError(where, f"nested more than {MAX_DEPTH} levels deep")
+            walk.enter(value, path, depth)
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise SpecError(where, f"keys must be strings, got {k!r:.40}")
                 if "\0" in k:
                     raise SpecError(where, f"key {k!r:.40} holds a NUL byte")
-                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+                walk.push(v, f"{path}.{k}" if path else k, depth + 1)
         elif isinstance(value, list):
-            if depth >= MAX_DEPTH:
-                raise SpecError(where, f"nested more than {MAX_DEPTH} levels deep")
-            for i, v in enumerate(value):
-                stack.append((v, f"{path}[{i}]", depth + 1))
+            walk.push_items(value, value, path, depth)
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int):
@@ -130,18 +155,11 @@ def check_tree(data: Any) -> None:
 def _check_nodes(root: Any, file: str | None) -> None:
     """On the composed YAML: duplicate keys are an error (YAML says so; PyYAML keeps the last),
     nesting is bounded, and so is the count of nodes aliases expand to."""
-    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
-    seen = 0
-    while stack:
-        node, path, depth = stack.pop()
-        seen += 1
-        if seen > MAX_NODES:
-            raise SpecError(path or None, f"the spec holds more than {MAX_NODES} values (a YAML alias bomb?)",
-                            line=node.start_mark.line + 1, file=file)
-        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and depth >= MAX_DEPTH:
-            raise SpecError(path or None, f"nested more than {MAX_DEPTH} levels deep",
-                            line=node.start_mark.line + 1, file=file)
+    walk = _BoundedWalk(root, lambda node, where, message: SpecError(
+        where, message, line=node.start_mark.line + 1, file=file))
+    for node, path, depth in walk:
         if isinstance(node, yaml.MappingNode):
+            walk.enter(node, path, depth)
             keys: dict[str, int] = {}
             for k, v in node.value:
                 if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
@@ -153,10 +171,9 @@ def _check_nodes(root: Any, file: str | None) -> None:
                     keys[name] = k.start_mark.line + 1
                 else:
                     here = path
-                stack.append((v, here, depth + 1))
+                walk.push(v, here, depth + 1)
         elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                stack.append((v, f"{path}[{i}]", depth + 1))
+            walk.push_items(node, node.value, path, depth)
 
 
 _FLOW_LIMIT = 4 * MAX_DEPTH  # past this, PyYAML's scanner slows quadratically: refuse before parsing
