@@ -1,4 +1,4 @@
-"""The worker's request guards, as pure ASGI middlewares (no per-request overhead of BaseHTTPMiddleware):
+"""The worker's request guards, as pure ASGI middlewares (`jobs.worker.asgi`):
 the bearer token and Host header (`AuthMiddleware`), and a size limit on request bodies
 (`BodyLimitMiddleware`: a 100 MB spec is refused before it is read, not stored and served back)."""
 
@@ -9,6 +9,8 @@ import re
 import secrets
 from collections.abc import Iterable
 from typing import Any
+
+from jobs.worker.asgi import HttpMiddleware
 
 __all__ = ["AuthMiddleware", "BodyLimitMiddleware", "allowed_hosts"]
 
@@ -39,18 +41,15 @@ def _host_name(value: str) -> str | None:
     return value if value in ("::1",) else None  # a bare IPv6 loopback, as older clients send it
 
 
-class AuthMiddleware:
+class AuthMiddleware(HttpMiddleware):
     """401 without the bearer token (except /healthz and /readyz); 400 for a Host header not in `hosts` (DNS rebinding)."""
 
     def __init__(self, app: Any, token: str, hosts: set[str]) -> None:
-        self.app = app
+        super().__init__(app)
         self.expected = f"Bearer {token}".encode()
         self.hosts = hosts
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or [])
         host = headers.get(b"host", b"").decode("latin-1")
         name = _host_name(host)
@@ -77,17 +76,14 @@ class _TooLarge(Exception):
     pass
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     """413 for a request body over `max_bytes`: at once from Content-Length, else while it streams in."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from jobs.contract import JobState, Metric
+from jobs.worker.asgi import HttpMiddleware
 
 __all__ = ["WorkerMetrics", "TimingMiddleware", "JOB_GAUGES", "job_gauges", "live_jobs", "base_unit_factor"]
 
@@ -117,17 +118,14 @@ class WorkerMetrics:
         return generate_latest(self.registry)
 
 
-class TimingMiddleware:
+class TimingMiddleware(HttpMiddleware):
     """Counts requests and times them by route template (pure ASGI: no body buffering)."""
 
     def __init__(self, app: Any, metrics: WorkerMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
         code = [500]
 
