@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from jobs.executors import SetupFailed, get_executor
 from jobs.rundir import RunDir
 from jobs.store import JobStore, LeaseLost
 from jobs.worker.inventory import WorkerIdentity
+from jobs.worker.loop_thread import LoopThread
 
 __all__ = ["Heartbeat", "LeaseFiles", "DEFAULT_HEARTBEAT_TIMEOUT"]
 
@@ -78,10 +78,14 @@ class LeaseFiles:
                 p.unlink(missing_ok=True)
 
 
-class Heartbeat:
+class Heartbeat(LoopThread):
+    thread_name = "offload-jobs-heartbeat"
+    join_timeout = 10.0
+
     def __init__(self, store: JobStore, ident: WorkerIdentity, *, timeout: float, home: Path,
                  info: Callable[[], dict[str, Any]], grace_of: Callable[[str, int], float] | None = None,
                  url: str | None = None) -> None:
+        super().__init__()
         self.store = store
         self.ident = ident
         self.timeout = float(timeout)
@@ -100,8 +104,6 @@ class Heartbeat:
         # How an expired attempt really ended, when its run dir says so (Scheduler.find_end): recorded
         # instead of worker_lost, so a job that finished is never run again for a lost record.
         self.find_end: Callable[[dict[str, Any]], Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._last_warning = 0.0
         self.reaped = 0
 
@@ -132,14 +134,8 @@ class Heartbeat:
             return False
         return False
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="offload-jobs-heartbeat", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._end_loop()
         try:
             self.store.worker_stopped(self.ident.id, self.ident.instance)
         except StoreError:

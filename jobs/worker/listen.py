@@ -17,6 +17,7 @@ from collections.abc import Callable
 from sqlalchemy.engine import make_url
 
 from jobs.store_base import EVENTS_CHANNEL, PG_CONNECT_ARGS, QUEUE_CHANNEL
+from jobs.worker.loop_thread import LoopThread
 
 __all__ = ["Listener"]
 
@@ -28,24 +29,16 @@ def libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-class Listener:
+class Listener(LoopThread):
+    thread_name = "offload-jobs-listen"
+
     def __init__(self, url: str, on_queue: Callable[[], None], on_events: Callable[[], None]) -> None:
+        super().__init__()
         self.url = libpq_url(url)
         self.on_queue = on_queue
         self.on_events = on_events
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.connected = threading.Event()
         self.received = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="offload-jobs-listen", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
     def _loop(self) -> None:
         import psycopg

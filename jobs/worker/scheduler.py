@@ -43,6 +43,7 @@ from jobs.spec import JobSpec, parse_spec
 from jobs.store import JobStore, LeaseLost
 from jobs.worker.faults import FaultPoints
 from jobs.worker.heartbeat import Heartbeat, LeaseFiles
+from jobs.worker.loop_thread import LoopThread
 from jobs.worker.shipping import SHIP_EVERY_S, Shipment
 
 __all__ = ["Scheduler", "worker_env"]
@@ -103,12 +104,15 @@ def worker_env(environ: Any) -> dict[str, str]:
     return env
 
 
-class Scheduler:
+class Scheduler(LoopThread):
+    thread_name = "offload-jobs-scheduler"
+
     def __init__(self, store: JobStore, home: Path, *, gpu_count: int = 0, max_cpu_jobs: int = 4,
                  tick: float = 0.1, on_finish: Callable[[dict[str, Any]], None] | None = None,
                  on_start: Callable[[dict[str, Any]], None] | None = None, job_umask: int = 0o022,
                  gpu_vram: list[int] | None = None, worker_id: str | None = None,
                  heartbeat: Heartbeat | None = None, max_slurm_jobs: int = 0) -> None:
+        super().__init__()
         self.store = store
         self.home = Path(home)
         self.gpu_count = gpu_count
@@ -130,8 +134,6 @@ class Scheduler:
         self.running: dict[str, _Running] = {}
         self._free_gpus = list(range(self.gpu_slots))
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._executors: dict[str, Executor] = {}
         self._base_env = worker_env(os.environ)
         self._faults = FaultPoints(self.home)
@@ -139,19 +141,12 @@ class Scheduler:
         self._last_store_warning = 0.0
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="offload-jobs-scheduler", daemon=True)
-        self._thread.start()
-
     def wake(self) -> None:
         self._wake.set()
 
     def stop(self, stop_running: bool = True, timeout: float = 30.0) -> None:
         """Stop the loop; running attempts get SIGTERM, SIGKILL after their grace, then worker_lost."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread:
-            self._thread.join(timeout=5)
+        self._end_loop(self._wake)
         if not stop_running:
             return
         for r in list(self.running.values()):
