@@ -479,7 +479,6 @@ class OffloadEngine:
         # Once the plan is settled one step in timing_every is timed, its readings weighted by the
         # steps they stand for (stats.TimingLog): the totals are estimates over every step up to the
         # last timed one, and the copy rate is the timed bytes over the timed copies' ms.
-        timed_steps = c.timed_steps
         if self.timing is not None:
             self.timing.resolve(block=True)
             timed_h2d_ms = self.timing.timed_ms.get("h2d", 0.0)
@@ -508,18 +507,7 @@ class OffloadEngine:
             slot_grows=self.ring.grows,
             prefetch_depth=self.schedule.depth,
             staging_bytes=self.widener.staging_bytes,
-            h2d_bytes=c.h2d_bytes,
-            h2d_count=c.h2d_count,
-            d2h_bytes=c.d2h_bytes,
-            d2h_count=c.d2h_count,
-            cache_hits=c.cache_hits,
-            cache_misses=c.cache_misses,
-            cache_evictions=c.cache_evictions,
-            prefetch_issued=c.prefetch_issued,
-            prefetch_misses=c.prefetch_misses,
-            saved_refs=c.saved_refs,
-            refetches=c.refetches,
-            steps=c.steps,
+            **c.reported(),
             planning=self.replanner.active,
             trace_length=len(self.schedule.trace),
             trace_relearned=self.schedule.relearned,
@@ -528,7 +516,6 @@ class OffloadEngine:
             units=units,
             plan=dict(self.prediction),
             store_stats=store_stats,
-            timed_steps=timed_steps,
             measured_step_ms=measured,
             predicted_step_ms=predicted,
             h2d_ms=h2d_ms,

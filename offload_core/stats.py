@@ -55,6 +55,12 @@ class Counters:
     saved_refs: int = 0  # autograd-saved weight views replaced by references
     refetches: int = 0  # backward uses that had to load a unit again
 
+    UNREPORTED = ("timed_h2d_bytes",)  # feeds the copy rate (h2d_gbps) only
+
+    def reported(self) -> dict[str, int]:
+        """The counts ``stats()`` carries under their own names."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.UNREPORTED}
+
 
 @dataclass
 class EngineStats:
