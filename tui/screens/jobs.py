@@ -28,6 +28,7 @@ from tui.history import budget_of, hit_rate_of, progress_of
 from tui.screens.actions import JobActions
 from tui.widgets.keyed_table import KeyedTable
 from tui.widgets.panels import ConnectionBar, GpuPanel
+from tui.widgets.popup_input import PopupInput
 
 __all__ = ["JobsScreen", "job_row", "COLUMNS", "STATUS_STYLE"]
 
@@ -139,8 +140,6 @@ class JobsScreen(JobActions, Screen):
         *JobActions.ACTION_BINDINGS,
     ]
     DEFAULT_CSS = """
-    JobsScreen #filter { display: none; height: 3; }
-    JobsScreen #filter.-shown { display: block; }
     JobsScreen DataTable { height: 1fr; }
     """
 
@@ -156,7 +155,7 @@ class JobsScreen(JobActions, Screen):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield GpuPanel(reader=getattr(self.app, "gpu_reader", None), interval=1.0 if self.app.feed else 0)
-        yield Input(placeholder="filter: id, name, kind or status (Enter: back to the table, Esc: clear)", id="filter")
+        yield PopupInput(placeholder="filter: id, name, kind or status (Enter: back to the table, Esc: clear)", id="filter")
         yield KeyedTable(COLUMNS, priority=PRIORITY, id="jobs", cursor_type="row", zebra_stripes=True)
         yield ConnectionBar()
         yield Footer()
@@ -291,9 +290,7 @@ class JobsScreen(JobActions, Screen):
 
     # ------------------------------------------------------------ keys
     def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.add_class("-shown")
-        box.focus()
+        self.query_one("#filter", PopupInput).reveal()
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -305,10 +302,10 @@ class JobsScreen(JobActions, Screen):
         self.table.focus()
 
     def action_clear_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        if self.filter_text or box.has_class("-shown"):
+        box = self.query_one("#filter", PopupInput)
+        if self.filter_text or box.revealed:
             box.value = ""
-            box.remove_class("-shown")
+            box.conceal()
             self.filter_text = ""
             self.sync(rebuild=True)
             self.table.focus()

@@ -21,6 +21,7 @@ from jobs.errors import JobsError
 from tui.logsource import Chunk, LogSource
 from tui.widgets.log_view import LogView
 from tui.widgets.panels import ConnectionBar
+from tui.widgets.popup_input import PopupInput
 
 __all__ = ["LogsScreen"]
 
@@ -36,8 +37,6 @@ class LogsScreen(Screen):
         Binding("G", "bottom", "Bottom", show=False),
     ]
     DEFAULT_CSS = """
-    LogsScreen #search { display: none; height: 3; }
-    LogsScreen #search.-shown { display: block; }
     LogsScreen #logstatus { height: 1; padding: 0 1; background: $boost; }
     """
 
@@ -63,7 +62,7 @@ class LogsScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
-        yield Input(placeholder="search (Enter: find; n/N: next/previous; Esc: close)", id="search")
+        yield PopupInput(placeholder="search (Enter: find; n/N: next/previous; Esc: close)", id="search")
         yield LogView(self.source, id="log")
         yield Static(id="logstatus")
         yield ConnectionBar()
@@ -154,9 +153,9 @@ class LogsScreen(Screen):
 
     # ------------------------------------------------------------ keys
     def action_back(self) -> None:
-        box = self.query_one("#search", Input)
-        if box.has_class("-shown"):
-            box.remove_class("-shown")
+        box = self.query_one("#search", PopupInput)
+        if box.revealed:
+            box.conceal()
             self.view.focus()
             return
         self.app.pop_screen()
@@ -175,15 +174,13 @@ class LogsScreen(Screen):
         self.view.scroll_end(animate=False)
 
     def action_search(self) -> None:
-        box = self.query_one("#search", Input)
-        box.add_class("-shown")
-        box.focus()
+        self.query_one("#search", PopupInput).reveal()
 
     @on(Input.Submitted, "#search")
     def _search_submitted(self, event: Input.Submitted) -> None:
         self.needle = event.value
         self.view.pattern = re.compile(re.escape(self.needle), re.IGNORECASE) if self.needle else None
-        self.query_one("#search", Input).remove_class("-shown")
+        self.query_one("#search", PopupInput).conceal()
         self.view.focus()
         # From the end, the first search looks backwards: the newest match is the likely one.
         forward = self.view.current is not None
