@@ -223,6 +223,7 @@ class Scheduler(LoopThread):
         return sorted(chosen)
 
     def _launch(self, job: dict[str, Any], claim_sent: float | None = None, claimed: float | None = None) -> None:
+        """Start a claimed attempt: prepare its child (not yet running), record it, then let it run."""
         job_id, number = job["id"], job["attempt"]
         run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
         try:
@@ -236,6 +237,19 @@ class Scheduler(LoopThread):
         r.claim_sent = claim_sent if claim_sent is not None else time.monotonic()
         r.claimed = claimed if claimed is not None else time.monotonic()
         self.running[job_id] = r
+        if not self._prepare(r, job):
+            return
+        self._faults.pause("prepared")
+        if self._record_start(r):
+            r.executor.release(r.handle)
+            if self.on_start and number == 1:
+                self.on_start(job)
+
+    def _prepare(self, r: _Running, job: dict[str, Any]) -> bool:
+        """The run dir, the lease file, the log's first line and the executor's prepared child; False
+        (the attempt settled as setup_failed) when any of it fails."""
+        job_id, number, spec, run_dir = r.job_id, r.attempt, r.spec, r.run_dir
+        assert spec is not None
         lease_file = None
         try:
             if not run_dir.spec_file.exists():
@@ -247,12 +261,7 @@ class Scheduler(LoopThread):
                                   self.heartbeat.lease_grace(job_id, number))
                 r.ship = Shipment.begin(run_dir)
             run_dir.clear_report()
-            note = f"[offload-jobs] attempt {number}/{job['max_attempts']} of job {job_id} starting"
-            if self.shared:
-                note += f" on worker {self.worker_id}"
-            if number > 1 and job.get("reason"):
-                note += f" (previous attempt: {job['reason']})"
-            run_dir.append_log(note + "\n")
+            run_dir.append_log(self._start_note(job) + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
             if self.worker_id:
@@ -260,7 +269,7 @@ class Scheduler(LoopThread):
             r.executor = self._executor(spec.executor)
             r.handle = r.executor.prepare(Launch(
                 job_id=job_id, attempt=number, argv=plan.argv, env=plan.env, cwd=plan.cwd, run_dir=run_dir,
-                gpus=gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
+                gpus=r.gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
                 job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v}, umask=self.job_umask,
                 lease_file=lease_file, time_limit=spec.limits.max_duration, stop_grace=spec.limits.stop_grace,
                 name=spec.display_name(), gpu_request=spec.gpus,
@@ -274,9 +283,22 @@ class Scheduler(LoopThread):
             run_dir.append_log(f"[offload-jobs] setup_failed: {msg}\n")
             r.handle = None
             self._settle(r, _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, msg))
-            return
-        self._faults.pause("prepared")
-        h = r.handle
+            return False
+        return True
+
+    def _start_note(self, job: dict[str, Any]) -> str:
+        note = f"[offload-jobs] attempt {job['attempt']}/{job['max_attempts']} of job {job['id']} starting"
+        if self.shared:
+            note += f" on worker {self.worker_id}"
+        if job["attempt"] > 1 and job.get("reason"):
+            note += f" (previous attempt: {job['reason']})"
+        return note
+
+    def _record_start(self, r: _Running) -> bool:
+        """Record the prepared attempt as RUNNING; False (its child aborted unrun) when it must not run:
+        taken over, unrecorded, cancelled while STARTING, or its lease ran out meanwhile."""
+        job_id, number, h = r.job_id, r.attempt, r.handle
+        assert r.executor is not None and h is not None
         try:
             go = self.store.mark_running(job_id, number, executor=r.executor.name, pid=h.pid, pgid=h.pgid,
                                          handle=h.info, worker_pid=os.getpid(),
@@ -286,28 +308,26 @@ class Scheduler(LoopThread):
             log.warning("job %s: attempt %d was taken over before it started; not starting it", job_id, number)
             r.executor.abort(h)
             self._drop(r)
-            return
+            return False
         except StoreError as exc:
             # Unrecorded children never run: drop it; the attempt is retried once the store answers.
             log.warning("job %s: cannot record attempt %d (%s); not starting it", job_id, number, exc)
             r.executor.abort(h)
             r.stop_reason = "unrecorded"
-            return
+            return False
         self._faults.pause("recorded")
         if not go:  # cancelled while STARTING
             r.executor.abort(h)
             r.stop_reason = Reason.CANCELLED
-            return
+            return False
         if self.shared and not self._lease_fresh(r):
             # The claim's lease is past its local deadline (a stall, the store gone): another worker may
             # retry it any moment, so it must not start here. Stopped unrun, it is queued again.
             log.warning("job %s: attempt %d's lease ran out before it started; not starting it", job_id, number)
             r.executor.abort(h)
             r.stop_reason = "unrecorded"
-            return
-        r.executor.release(h)
-        if self.on_start and number == 1:
-            self.on_start(job)
+            return False
+        return True
 
     def _lease_fresh(self, r: _Running) -> bool:
         """Shared stores: this attempt's lease still has its stop grace left on this host's clock."""
