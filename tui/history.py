@@ -108,6 +108,7 @@ class ChartSpec:
     series: tuple[tuple[str, str], ...]
     unit: str  # bytes, pct, gbps, ms, plain
     limit: str | None = None  # a series drawn as the chart's ceiling (budget, capacity)
+    optional: bool = False  # a trainer option's chart: shown only once the job writes its series
 
 
 CHARTS: tuple[ChartSpec, ...] = (
@@ -116,7 +117,9 @@ CHARTS: tuple[ChartSpec, ...] = (
     ChartSpec("hit", "cache hit rate", (("hit_rate", "hit rate"),), "pct"),
     ChartSpec("gbps", "H2D / disk GB/s", ((Metric.h2d_gbps, "H2D"), (Metric.disk_gbps, "disk")), "gbps"),
     ChartSpec("stall", "stall ms/step", (("stall_per_step", "stall"),), "ms"),
-    ChartSpec(Metric.loss, Metric.loss, ((Metric.loss, Metric.loss), ("loss_ema", "smoothed")), "plain"),
+    ChartSpec(Metric.loss, Metric.loss,
+              ((Metric.loss, Metric.loss), ("loss_ema", "smoothed"), (Metric.val_loss, "validation")), "plain"),
+    ChartSpec(Metric.ema_distance, "EMA distance", ((Metric.ema_distance, "EMA to raw LoRA"),), "plain", optional=True),
 )
 
 
@@ -180,6 +183,7 @@ class MetricHistory:
     rows: int = 0
     _prev: dict[str, float] = field(default_factory=dict)
     _ema: float | None = None
+    _val_loss: float | None = None
 
     def _put(self, name: str, y: float | None) -> None:
         s = self.series.get(name)
@@ -242,11 +246,22 @@ class MetricHistory:
         if loss is not None:
             self._ema = loss if self._ema is None else self._ema + EMA_ALPHA * (loss - self._ema)
         self._put("loss_ema", self._ema)
+        # val_loss comes one row in train.validation.every: held until the next one, so the line reads
+        # "the latest validation loss" and thinning the series (one row in two) never drops it.
+        if Metric.val_loss in row:
+            val = num(row[Metric.val_loss])
+            self._val_loss = val if val is not None else math.nan
+        self._put(Metric.val_loss, self._val_loss)
+        self._put(Metric.ema_distance, num(g(Metric.ema_distance)))
         self._put(Metric.measured_step_ms, num(g(Metric.measured_step_ms)))
         self._put(Metric.predicted_step_ms, num(g(Metric.predicted_step_ms)))
 
     def get(self, name: str) -> Series:
         return self.series.get(name) or Series(self.capacity)
+
+    def draws(self, chart: ChartSpec) -> bool:
+        """Whether any series of `chart` has a finite value yet."""
+        return any(self.get(name).last() is not None for name, _ in chart.series)
 
     @property
     def plan(self) -> dict[str, Any] | None:

@@ -137,6 +137,7 @@ def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int 
         y = top + (hi - limit) / (hi - lo) * ph
         parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="lim"/>')
     legend_x = max(200, 16 + 8 * len(chart.title))
+    legend_step = min(150, (width - legend_x) // len(series))  # three legends still fit the width
     for i, (label, s) in enumerate(series):
         color = COLORS[i % len(COLORS)]
         run: list[str] = []
@@ -153,7 +154,7 @@ def svg_chart(chart: ChartSpec, h: MetricHistory, width: int = 560, height: int 
             parts.append(f'<polyline points="{" ".join(run)}" stroke="{color}" class="l"/>')
         parts.append(f'<text x="{legend_x}" y="16" class="a" fill="{color}">{_e(label)} '
                      f'{_e(_fmt(s.last(), chart.unit))}</text>')
-        legend_x += 150
+        legend_x += legend_step
     if limit is not None:
         parts.append(f'<text x="{legend_x}" y="16" class="a lt">limit {_e(_fmt(limit, chart.unit))}</text>')
     parts.append("</svg>")
@@ -214,7 +215,7 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     out.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts) + "</table>")
     out.append("<h2>Charts</h2><div class=charts>")
     x_label = step_axis(rows)
-    out += [svg_chart(c, h, x_label=x_label) for c in CHARTS]
+    out += [svg_chart(c, h, x_label=x_label) for c in CHARTS if not c.optional or h.draws(c)]
     out.append(svg_chart(STEP_CHART, h, x_label=x_label))
     out.append("</div>")
     out.append("<h2>The engine's plan</h2>")

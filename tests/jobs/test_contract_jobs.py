@@ -29,7 +29,11 @@ TRAIN_STEPS = 6
 
 # What each kind's step rows must carry (a null or missing one draws as "-" or an empty chart).
 TRAIN_FIELDS = {Metric.step, Metric.total_steps, Metric.loss, Metric.lr, Metric.epoch, Metric.it_s,
-                Metric.step_seconds, Metric.eta_seconds, Metric.host_rss_bytes, Metric.host_total_bytes}
+                Metric.step_seconds, Metric.eta_seconds, Metric.host_rss_bytes, Metric.host_total_bytes,
+                Metric.ema_distance, Metric.val_loss}  # train.ema and train.validation are on (see _specs)
+VALIDATE_EVERY = 2
+# Charts that only a train job draws: its loss, and the trainer options' (train.ema).
+TRAIN_CHARTS = {Metric.loss, Metric.ema_distance}
 INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss_bytes, Metric.host_total_bytes}
 # Every forwarded engine stat but the disk rate, which only a disk-backed store has, and the bounce
 # ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs).
@@ -53,7 +57,8 @@ def _specs(tiny: dict[str, Path], shards: Path) -> dict[str, dict[str, Any]]:
         "train": {"kind": "train", "name": "contract-train", "model": {"path": str(tiny["flux"])},
                   "offload": dict(CPU_OFFLOAD),
                   "train": {"dataset": str(tiny["images"]), "steps": TRAIN_STEPS, "learning_rate": 1e-2,
-                            "lora_rank": 4, "max_sequence_length": 32, "max_pixels": 1024},
+                            "lora_rank": 4, "max_sequence_length": 32, "max_pixels": 1024,
+                            "validation": {"items": 1, "every": VALIDATE_EVERY, "timesteps": [0.5]}, "ema": 0.9},
                   **common},
         # a pinned limit under the streamed bytes: the bounce store (its CPU path) carries this one
         "infer": {"kind": "infer", "name": "contract-infer", "model": {"path": str(tiny["flux"])},
@@ -114,6 +119,10 @@ def test_the_runners_write_every_field_of_the_contract(jobs_done: dict[str, dict
     assert lazy[-1].get(Metric.disk_gbps) is not None and lazy[-1][Metric.disk_gbps] > 0
     assert infer[-1].get(Metric.host_store) == "bounce" and infer[-1].get(Metric.bounce_fill_gbps) is not None
     assert train[-1].get(Metric.host_store) == "arena"
+    # the trainer options' fields: val_loss every VALIDATE_EVERY steps (and after the last), ema_distance every step
+    assert [r[Metric.step] for r in train if r.get(Metric.val_loss) is not None] == list(
+        range(VALIDATE_EVERY, TRAIN_STEPS + 1, VALIDATE_EVERY))
+    assert all(r.get(Metric.ema_distance) is not None and r[Metric.ema_distance] >= 0 for r in train)
     # Only names the contract knows: a new field is added there first
     for rows in (train, infer, lazy):
         assert set(rows[-1]) <= set(StepMetrics.__annotations__) | set(ENGINE_STATS)
@@ -127,7 +136,7 @@ def test_the_dashboards_history_and_summary_draw_every_field(jobs_done: dict[str
         h = _history(job)
         for chart in CHARTS:
             for series, label in chart.series:
-                if series == Metric.disk_gbps and name != "lazy" or (chart.key == Metric.loss and name != "train"):
+                if series == Metric.disk_gbps and name != "lazy" or (chart.key in TRAIN_CHARTS and name != "train"):
                     continue
                 assert h.get(series).finite(), f"{name}: chart {chart.title!r} draws no {label}"
         text = summary_text(job, h, time.time()).plain
@@ -140,6 +149,12 @@ def test_the_dashboards_history_and_summary_draw_every_field(jobs_done: dict[str
         if name == "lazy":
             assert re.search(r"disk \d[\d.e-]* GB/s", text), text
     assert _history(jobs_done["infer"]).get("hit_rate").finite()
+    train = _history(jobs_done["train"])
+    assert len(train.get(Metric.val_loss).finite()) >= TRAIN_STEPS - VALIDATE_EVERY + 1  # held between validations
+    assert train.draws(next(c for c in CHARTS if c.key == Metric.ema_distance))
+    assert not _history(jobs_done["infer"]).draws(next(c for c in CHARTS if c.key == Metric.ema_distance))
+    texts = {name: summary_text(job, _history(job), time.time()).plain for name, job in jobs_done.items()}
+    assert re.search(r"EMA distance \d", texts["train"]), texts["train"]
 
 
 def test_the_report_draws_every_chart_and_the_plan(worker: Any, jobs_done: dict[str, dict[str, Any]]) -> None:
@@ -157,7 +172,11 @@ def test_the_report_draws_every_chart_and_the_plan(worker: Any, jobs_done: dict[
                 continue  # an infer job has no loss
             assert "no data in this job" not in body, f"{name}: the report's {title!r} chart is empty"
             assert "<polyline" in body or "<circle" in body, f"{name}: {title!r}"
+        titles = [title for title, _ in charts]
+        assert ("EMA distance" in titles) == (name == "train"), (name, titles)  # a trainer option's chart
     assert re.search(r"disk [\d.]+ GB/s", pages["lazy"])
+    loss = dict(re.findall(r'<svg [^>]*aria-label="([^"]+)">(.*?)</svg>', pages["train"], re.S))["loss"]
+    assert re.search(r">validation \d[\d.e-]*<", loss) and loss.count("<polyline") >= 3, loss  # val_loss drawn
 
 
 def test_show_draws_the_progress_of_a_running_train_job(jobs_done: dict[str, dict[str, Any]]) -> None:
@@ -224,7 +243,7 @@ async def test_the_detail_screen_of_real_jobs(worker: Any, jobs_done: dict[str, 
     from tui.screens.detail import DetailScreen
     from tui.widgets.chart import TimeChart
 
-    async def opened(job_id: str) -> tuple[str, DetailScreen, Any]:
+    async def opened(job_id: str) -> tuple[str, DetailScreen, Any, bool]:
         app = DashboardApp(lambda: JobsClient(worker.url, worker.token, timeout=10.0), url=worker.url,
                            open_job=job_id, poll_s=0.2, refresh_s=0.2, start_dir=str(REPO))
         async with app.run_test(size=(160, 50)) as pilot:
@@ -239,12 +258,15 @@ async def test_the_detail_screen_of_real_jobs(worker: Any, jobs_done: dict[str, 
             await pilot.pause(0.5)
             summary = str(screen.query_one("#summary").render())
             hit = screen.query_one("#chart-hit", TimeChart).plot_text().plain
-        return summary, screen, hit
+            ema_shown = screen.query_one(f"#chart-{Metric.ema_distance}", TimeChart).display
+        return summary, screen, hit, ema_shown
 
-    summary, _, _ = await opened(jobs_done["train"]["id"])
+    summary, _, _, ema_shown = await opened(jobs_done["train"]["id"])
     assert re.search(r"ETA \d", summary), summary
-    _, screen, hit = await opened(jobs_done["infer"]["id"])
+    assert ema_shown, "train.ema's chart is not shown"
+    summary, screen, hit, ema_shown = await opened(jobs_done["infer"]["id"])
     assert screen.history.get("hit_rate").finite()
     assert any(0x2800 < ord(ch) <= 0x28FF for ch in hit), hit  # braille points: the chart is not empty
-    summary, _, _ = await opened(jobs_done["lazy"]["id"])
+    assert not ema_shown
+    summary, _, _, _ = await opened(jobs_done["lazy"]["id"])
     assert re.search(r"disk \d[\d.e-]* GB/s", summary), summary

@@ -116,6 +116,9 @@ async def test_a_chart_redrawn_line_by_line_shows_what_it_would_from_scratch() -
             detail.sync()
             await pilot.pause()
             for chart in detail.query(TimeChart):
+                if not chart.display:  # a trainer option's chart these rows do not write (EMA distance)
+                    assert chart.chart.optional, chart.id
+                    continue
                 drawn = ["".join(seg.text for seg in chart.render_line(y)).rstrip()
                          for y in range(chart.content_size.height)]
                 fresh = [line.rstrip() for line in chart.plot_text().plain.split("\n")]

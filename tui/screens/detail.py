@@ -74,6 +74,9 @@ def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
     rss = m.get(Metric.host_rss_bytes)
     if rss is not None:
         parts.append(("host RSS", fmt_ratio_bytes(rss, m.get(Metric.host_total_bytes))))
+    ema = num(m.get(Metric.ema_distance))
+    if ema is not None:
+        parts.append(("EMA distance", fmt_num(ema, 3)))
     for i, (k, v) in enumerate(parts):
         t.append(f"{k} ", style="dim")
         t.append(v + ("   " if i < len(parts) - 1 else ""), style="bold")
@@ -142,7 +145,9 @@ class DetailScreen(JobActions, Screen):
         with VerticalScroll(id="body", can_focus=False):
             with Grid(id="charts"):
                 for c in CHARTS:
-                    yield TimeChart(c, lambda: self.history, id=f"chart-{c.key}")
+                    chart = TimeChart(c, lambda: self.history, id=f"chart-{c.key}")
+                    chart.display = not c.optional  # until the job writes its series
+                    yield chart
             with TabbedContent(id="tabs"):
                 with TabPane("events", id="tab-events"):
                     yield VerticalScroll(Static(id="events"))
@@ -248,6 +253,8 @@ class DetailScreen(JobActions, Screen):
             drew = True
         if self._due("charts", rows):
             for chart in self.query(TimeChart):
+                if chart.chart.optional:
+                    chart.display = self.history.draws(chart.chart)
                 chart.refresh_data()
             drew = True
         events = self.app.job_events.get(self.job_id, ())
