@@ -1,9 +1,10 @@
 """`offload-jobs report JOB`: one self-contained HTML file about a job, to attach to a bug report.
 
 It holds the spec, the timeline (events and attempts), charts of loss, VRAM, GB/s, cache hits,
-pinned pool and stall (inline SVG: no script, no network), the engine's plan with its predicted
-against measured step time, and the sample images inlined as data URIs. Everything comes through
-the client API; the series come from `tui.history`, as the dashboard's charts do.
+pinned pool and stall (inline SVG: no script, no network), the engine's host store and its plan
+with its predicted against measured step time, and the sample images inlined as data URIs.
+Everything comes through the client API; the series come from `tui.history`, as the dashboard's
+charts do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import yaml
 from jobs.contract import JobState, Metric
 from jobs.errors import InvalidTransition
 from jobs.redact import redact_spec
-from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_value, num
+from tui.fmt import fmt_bytes, fmt_duration, fmt_host_store, fmt_num, fmt_pct, fmt_value, num
 from tui.history import CHARTS, ChartSpec, MetricHistory, Series, budget_of, hit_rate_of
 from tui.outputs import IMAGE_TYPES, summarize_outputs
 
@@ -219,6 +220,9 @@ def render_report(data: dict[str, Any], generated_at: float | None = None) -> st
     out.append(svg_chart(STEP_CHART, h, x_label=x_label))
     out.append("</div>")
     out.append("<h2>The engine's plan</h2>")
+    store = fmt_host_store(last)
+    if store is not None:
+        out.append(f"<p>{_e(store)}</p>")
     plan = h.plan
     step_rows = [("measured step", _fmt(h.get(Metric.measured_step_ms).last(), "ms")),
                  ("predicted step", _fmt(h.get(Metric.predicted_step_ms).last(), "ms"))]

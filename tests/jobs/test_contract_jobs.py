@@ -38,6 +38,12 @@ INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss
 # Every forwarded engine stat but the disk rate, which only a disk-backed store has, and the bounce
 # ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs).
 ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps, Metric.bounce_fill_gbps}
+# The engine panel's host store line: the infer job streams through the bounce store (offload.pinned_limit
+# 64KiB), the train job through the arena (on the CPU: nothing to pin, and it says so).
+HOST_STORE_LINES = {
+    "infer": r"host store bounce: pinned \d[\d.]* \w+ / limit 64\.0 KiB, fill \d[\d.e-]* GB/s — the streamed weights",
+    "train": r"host store arena: no CUDA device, or cpu_offload is off: nothing to pin",
+}
 
 
 def _builder() -> Any:
@@ -155,6 +161,8 @@ def test_the_dashboards_history_and_summary_draw_every_field(jobs_done: dict[str
     assert not _history(jobs_done["infer"]).draws(next(c for c in CHARTS if c.key == Metric.ema_distance))
     texts = {name: summary_text(job, _history(job), time.time()).plain for name, job in jobs_done.items()}
     assert re.search(r"EMA distance \d", texts["train"]), texts["train"]
+    assert re.search(HOST_STORE_LINES["infer"], texts["infer"]), texts["infer"]
+    assert re.search(HOST_STORE_LINES["train"], texts["train"]), texts["train"]
 
 
 def test_the_report_draws_every_chart_and_the_plan(worker: Any, jobs_done: dict[str, dict[str, Any]]) -> None:
@@ -177,6 +185,8 @@ def test_the_report_draws_every_chart_and_the_plan(worker: Any, jobs_done: dict[
     assert re.search(r"disk [\d.]+ GB/s", pages["lazy"])
     loss = dict(re.findall(r'<svg [^>]*aria-label="([^"]+)">(.*?)</svg>', pages["train"], re.S))["loss"]
     assert re.search(r">validation \d[\d.e-]*<", loss) and loss.count("<polyline") >= 3, loss  # val_loss drawn
+    assert re.search(r"<p>" + HOST_STORE_LINES["infer"], pages["infer"])
+    assert re.search(r"<p>" + HOST_STORE_LINES["train"], pages["train"])
 
 
 def test_show_draws_the_progress_of_a_running_train_job(jobs_done: dict[str, dict[str, Any]]) -> None:
@@ -263,10 +273,10 @@ async def test_the_detail_screen_of_real_jobs(worker: Any, jobs_done: dict[str, 
 
     summary, _, _, ema_shown = await opened(jobs_done["train"]["id"])
     assert re.search(r"ETA \d", summary), summary
-    assert ema_shown, "train.ema's chart is not shown"
+    assert ema_shown and re.search(HOST_STORE_LINES["train"], " ".join(summary.split())), summary  # train.ema's chart is shown
     summary, screen, hit, ema_shown = await opened(jobs_done["infer"]["id"])
     assert screen.history.get("hit_rate").finite()
     assert any(0x2800 < ord(ch) <= 0x28FF for ch in hit), hit  # braille points: the chart is not empty
-    assert not ema_shown
+    assert not ema_shown and re.search(HOST_STORE_LINES["infer"], " ".join(summary.split())), summary
     summary, _, _, _ = await opened(jobs_done["lazy"]["id"])
     assert re.search(r"disk \d[\d.e-]* GB/s", summary), summary

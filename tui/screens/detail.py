@@ -24,7 +24,7 @@ from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 from jobs.contract import TERMINAL, JobState, Metric
 from jobs.errors import JobsError
 from tui.feed import MetricRows, MetricsTail
-from tui.fmt import fmt_bytes, fmt_duration, fmt_num, fmt_pct, fmt_ratio_bytes, num
+from tui.fmt import fmt_bytes, fmt_duration, fmt_host_store, fmt_num, fmt_pct, fmt_ratio_bytes, num
 from tui.history import CHARTS, MetricHistory, budget_of, hit_rate_of, progress_of
 from tui.outputs import summarize_outputs
 from tui.screens.actions import JobActions
@@ -80,6 +80,9 @@ def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
     for i, (k, v) in enumerate(parts):
         t.append(f"{k} ", style="dim")
         t.append(v + ("   " if i < len(parts) - 1 else ""), style="bold")
+    store = fmt_host_store(m)
+    if store is not None:
+        t.append("\n" + store, style="dim")
     return t
 
 
