@@ -93,7 +93,8 @@ RETRYABLE_REASONS: tuple[str, ...] = tuple(r.value for r in Reason if r in RETRY
 # OFFLOAD_JOBS_* name is the worker's own (run dir, metrics file, outputs, exit report).
 #   OFFLOAD_JOBS_VRAM_CAP           emulate a smaller card (torch.cuda.set_per_process_memory_fraction)
 #   OFFLOAD_JOBS_HOST_MEMORY_WARN   the host-RAM fraction at which the train runner warns
-RUNNER_ENV_OPTIONS = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_HOST_MEMORY_WARN"})
+#   OFFLOAD_JOBS_RAM_BUDGET         the job's host RAM (as resources.ram): past it the weights stream from disk
+RUNNER_ENV_OPTIONS = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_HOST_MEMORY_WARN", "OFFLOAD_JOBS_RAM_BUDGET"})
 
 
 class StepMetrics(TypedDict, total=False):

@@ -225,6 +225,8 @@ class ResourcesSpec(_Strict):
     vram_budget: Optional[Bytes] = Field(None, description="The engine's VRAM budget when offload.vram_budget "
                                                            "and offload.offload_ratio are unset.")
     shm_size: Optional[Bytes] = Field(None, description="Shared memory for the docker executor.")
+    ram: Optional[Bytes] = Field(None, description="Host RAM this train/infer job may hold (default: what the box can "
+                                                   "give); past it the weights stream from shards in the model cache.")
 
 
 class RetrySpec(_Strict):
