@@ -26,7 +26,7 @@ from jobs.spec_yaml import (
     with_origin, yaml_load,
 )
 from jobs import contract
-from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
+from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS, RUNNER_ENV_SIZES
 from jobs.spec_runners import MOVED_TO_OFFLOAD, InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
@@ -140,6 +140,11 @@ def _env(value: Any) -> Any:
         if name.startswith("OFFLOAD_JOBS_") and name not in RUNNER_ENV_OPTIONS:
             raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name "
                                              f"(a job may set {', '.join(sorted(RUNNER_ENV_OPTIONS))})")
+        if name in RUNNER_ENV_SIZES and isinstance(value[name], (str, int, float)) and not isinstance(value[name], bool):
+            try:  # found at submit, not when the job's runner reads it
+                _parse_size(value[name].strip() if isinstance(value[name], str) else value[name])
+            except ValueError as exc:
+                raise _FieldError(f"env.{name}", str(exc)) from None
     return value
 
 

@@ -78,6 +78,16 @@ def test_a_bad_ram_budget_is_one_line_naming_the_variable() -> None:
     assert text.startswith(f"{RAM_BUDGET_ENV}: ") and "lots" in text and "\n" not in text
 
 
+def test_a_bad_ram_budget_in_a_specs_env_is_refused_at_submit() -> None:
+    from jobs.spec import parse_spec
+
+    base = {"kind": "infer", "model": {"path": "/m"}, "infer": {"prompt": "a"}}
+    with pytest.raises(Exception) as err:
+        parse_spec({**base, "env": {RAM_BUDGET_ENV: "lots"}})
+    assert f"env.{RAM_BUDGET_ENV}" in str(err.value) and "not a size" in str(err.value)
+    assert parse_spec({**base, "env": {RAM_BUDGET_ENV: "16GiB"}, "resources": {"ram": "8GiB"}}).resources.ram == 8 * GiB
+
+
 # ---------------------------------------------------------------------------------- through the worker
 
 
