@@ -43,7 +43,13 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
             emit_event(run_dir, Metric.host_store, host_store=TIER_DISK, reason="offload.lazy_load with its shard_dir",
                        shard_dir=offload.shard_dir)
         return offload  # the user's own shards, or no engine: nothing to decide
-    source = read_source(Path(model_dir) / "transformer", dtype)
+    from offload_core.disk.errors import ShardError
+
+    try:
+        source = read_source(Path(model_dir) / "transformer", dtype)
+    except ShardError as exc:  # no safetensors to size or shard: loading says what is wrong with the folder
+        _say(f"host RAM: not checked ({exc})")
+        return offload
     ram = job_ram(spec.resources.ram, held_bytes)
     d = decide_tier(source.weight_bytes, held_bytes, ram.bytes, ram_margin(ram.bytes), spec.offload.lazy_load)
     numbers = dict(weight_bytes=d.weight_bytes, held_bytes=d.held_bytes, ram_bytes=d.ram_bytes, ram_source=ram.source,

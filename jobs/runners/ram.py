@@ -27,8 +27,10 @@ __all__ = ["RAM_BUDGET_ENV", "TIER_RAM", "TIER_DISK", "JobRam", "TierDecision", 
 RAM_BUDGET_ENV = "OFFLOAD_JOBS_RAM_BUDGET"
 TIER_RAM = "ram"  # the engine's PinnedArena or, past the pinned limit, its bounce store
 TIER_DISK = "disk"  # the engine's DiskStore over the model cache's shards
-MARGIN_MIN = 256 << 20  # the rest of the job (activations on a CPU target, the page cache it stirs, Python)
-MARGIN_FRACTION = 1 / 16
+# What the job still allocates after the decision: CUDA's lazily loaded kernels, a checkpoint's
+# optimizer state copied to the host, the LoRA file, Python's own growth.
+MARGIN_MIN = 512 << 20
+MARGIN_FRACTION = 1 / 10
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def test_the_margin_tips_the_decision() -> None:
     # 3 + 24 = 27 GiB of 28: fits with a 1 GiB margin, not with a 1 GiB + 1 byte one
     assert decide_tier(24 * GiB, 3 * GiB, 28 * GiB, 1 * GiB).tier == TIER_RAM
     assert decide_tier(24 * GiB, 3 * GiB, 28 * GiB, 1 * GiB + 1).tier == TIER_DISK
-    assert ram_margin(0) == 256 << 20 and ram_margin(64 * GiB) == 4 * GiB
+    assert ram_margin(0) == 512 << 20 and ram_margin(10 * GiB) == GiB
 
 
 def test_an_explicit_lazy_load_is_obeyed_whatever_the_numbers() -> None:
