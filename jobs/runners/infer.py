@@ -120,6 +120,12 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     engine_keys.pop("enable_optimizer_cpu_offload", None)
     offload = choose_host_tier(spec, offload_config(spec, device, training=False), model_dir, dtype, run_dir,
                                held_bytes=watch.rss())
+    if lora is not None and offload is not None and offload.lazy_load:
+        # fusing writes the blocks the LoRA touches, which the disk store then keeps in RAM (their files no
+        # longer hold their values), and base_weights_on_host reads the whole state_dict once to do it
+        emit_event(run_dir, "lora_on_disk_tier", message=(
+            "infer.lora with the weights streamed from disk: the LoRA is fused into the host copies of the blocks "
+            "it changes, which then stay in RAM; with less RAM than the model this job may run out of host memory"))
     loaded = load_transformer(model_dir, family, dtype, device, offload=offload, training=False,
                               with_weights=prepare, rss=watch.rss)
     watch.sample()

@@ -204,3 +204,13 @@ def test_an_entry_without_its_marker_is_sharded_again(client, tiny: dict[str, Pa
     assert got["result"] == "miss" and got["removed_incomplete"] is True and got["written_bytes"] > 0
     assert (entry / MARKER).is_file() and block.stat().st_size > 0
     assert _image(job) == _image(low_ram_jobs["infer"])
+
+
+def test_infer_with_the_trained_lora_on_the_disk_tier_runs_and_says_what_it_holds(
+        client, tiny: dict[str, Path], low_ram_jobs: dict) -> None:
+    job = run_job(client, _low_ram(infer_spec(tiny, "flux", prompt="a red square", steps=2,
+                                              lora=low_ram_jobs["train"]["id"])))
+    assert job["status"] == "SUCCEEDED", log(job)[-3000:]
+    assert _event(job, "host_store")["host_store"] == TIER_DISK and _event(job, "shard_cache")["result"] == "hit"
+    assert "stay in RAM" in _event(job, "lora_on_disk_tier")["message"]
+    assert _image(job) != _image(low_ram_jobs["infer"])  # the LoRA was applied
