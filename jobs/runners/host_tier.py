@@ -46,7 +46,7 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
     from offload_core.disk.errors import ShardError
 
     try:
-        source = read_source(Path(model_dir) / "transformer", dtype)
+        source = read_source(Path(model_dir) / "transformer", dtype, offload.weight_dtype)
     except ShardError as exc:  # no safetensors to size or shard: loading says what is wrong with the folder
         _say(f"host RAM: not checked ({exc})")
         return offload

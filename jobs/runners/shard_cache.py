@@ -59,23 +59,28 @@ class ShardSource:
     weight_bytes: int  # every tensor at the job's dtype (integers as stored)
 
 
-def read_source(folder: Path, dtype: torch.dtype) -> ShardSource:
-    """The headers of `folder`'s safetensors files (nothing else is read)."""
+def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = None) -> ShardSource:
+    """The headers of `folder`'s safetensors files (nothing else is read), for a job computing in
+    `dtype` and storing its weight matrices in `weight_dtype` (the engine's key; None: in `dtype`)."""
     from offload_core.disk.source import SafetensorsSource, source_files
 
     files, config = source_files(folder)
     src = SafetensorsSource(files, config)
+    store = getattr(torch, weight_dtype) if weight_dtype else dtype
     try:
         tensors = [(t.name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.start, t.nbytes)
                    for t in src.tensors.values()]
         floats = [t for t in src.tensors.values() if t.dtype.is_floating_point]
-        weight_bytes = sum(t.numel * dtype.itemsize for t in floats) + sum(
+        weight_bytes = sum(t.numel * (store if len(t.shape) >= 2 else dtype).itemsize for t in floats) + sum(
             t.nbytes for t in src.tensors.values() if not t.dtype.is_floating_point)
         differs = any(t.dtype != dtype for t in floats)
     finally:
         src.close()
-    return ShardSource(folder, files, config, tensors, str(dtype).removeprefix("torch.") if differs else None,
-                       weight_bytes)
+    if weight_dtype:
+        store_dtype: str | None = weight_dtype  # the shards hold what the engine would store (fp8 with its scales)
+    else:
+        store_dtype = str(dtype).removeprefix("torch.") if differs else None
+    return ShardSource(folder, files, config, tensors, store_dtype, weight_bytes)
 
 
 def shard_key(source: ShardSource) -> str:

@@ -88,9 +88,11 @@ def test_a_bad_ram_budget_in_a_specs_env_is_refused_at_submit() -> None:
     assert parse_spec({**base, "env": {RAM_BUDGET_ENV: "16GiB"}, "resources": {"ram": "8GiB"}}).resources.ram == 8 * GiB
 
 
-def test_lazy_load_alone_takes_the_caches_shards_and_streams_bitwise(tiny: dict[str, Path], tmp_path: Path) -> None:
-    """`offload.lazy_load: true` without a shard_dir (an error before): the model cache's shards, and
-    the forward is bitwise the one from RAM."""
+@pytest.mark.parametrize("weight_dtype", [None, "float8_e4m3fn"])
+def test_lazy_load_alone_takes_the_caches_shards_and_streams_bitwise(tiny: dict[str, Path], tmp_path: Path,
+                                                                     weight_dtype: str | None) -> None:
+    """`offload.lazy_load: true` without a shard_dir (an error before): the model cache's shards, in
+    the engine's storage dtype, and the forward is bitwise the one from RAM."""
     import torch
     from test_loading import _out
 
@@ -102,18 +104,20 @@ def test_lazy_load_alone_takes_the_caches_shards_and_streams_bitwise(tiny: dict[
     home = tmp_path / "home"
     run = home / "runs" / "job1"
     run.mkdir(parents=True)
+    keys = {"target_device": "cpu", "offload_granularity": "block", "weight_dtype": weight_dtype}
+    keys = {k: v for k, v in keys.items() if v is not None}
     spec = parse_spec({"kind": "infer", "model": {"path": str(tiny["flux"])}, "infer": {"prompt": "a"},
-                       "offload": {"target_device": "cpu", "offload_granularity": "block", "lazy_load": True}})
+                       "offload": {**keys, "lazy_load": True}})
     cpu = torch.device("cpu")
     config = choose_host_tier(spec, offload_config(spec, cpu, training=False), tiny["flux"], torch.float32, run,
                               held_bytes=0)
     assert config.lazy_load and Path(config.shard_dir).parent == home / "models" / "shards"
+    assert json.loads((Path(config.shard_dir) / "index.json").read_text())["dtype"] == weight_dtype
     tier = json.loads((run / "events.jsonl").read_text().splitlines()[-1])
     assert tier["host_store"] == TIER_DISK and tier["reason"] == "offload.lazy_load: true"
     adapter = get_adapter("flux")
     disk = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=config)
-    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu,
-                           offload={"offload_granularity": "block", "target_device": "cpu"})
+    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=keys)
     assert disk.stats()["host_store"] == "disk" and ram.stats()["host_store"] != "disk"
     assert torch.equal(_out("flux", disk.model, torch.float32), _out("flux", ram.model, torch.float32))
     assert disk.stats()["disk_reads"] > 0

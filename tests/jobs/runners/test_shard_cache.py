@@ -26,6 +26,9 @@ def test_the_key_follows_the_source_files_and_the_dtype(flux: Path) -> None:
     bf16 = read_source(flux, torch.bfloat16)
     assert bf16.store_dtype == "bfloat16" and bf16.weight_bytes * 2 == fp32.weight_bytes
     assert shard_key(fp32) != shard_key(bf16)
+    fp8 = read_source(flux, torch.float32, "float8_e4m3fn")  # the engine's weight_dtype: matrices in one byte
+    assert fp8.store_dtype == "float8_e4m3fn" and fp8.weight_bytes < fp32.weight_bytes / 3
+    assert shard_key(fp8) not in (shard_key(fp32), shard_key(bf16))
     before = shard_key(fp32)
     assert shard_key(read_source(flux, torch.float32)) == before
     weights = next(flux.glob("*.safetensors"))
