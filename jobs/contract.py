@@ -34,7 +34,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = [
     "StrEnum", "JobState", "Reason", "Kind", "Executor",
     "STATES", "TERMINAL", "ACTIVE", "LIVE", "REASONS", "RETRYABLE", "RETRYABLE_REASONS", "KINDS", "EXECUTORS",
-    "RUNNER_ENV_OPTIONS", "StepMetrics", "EngineStats", "Metric", "METRIC_NAMES", "ENGINE_STATS", "engine_stats",
+    "RUNNER_ENV_OPTIONS", "RUNNER_ENV_SIZES", "StepMetrics", "EngineStats", "Metric", "METRIC_NAMES", "ENGINE_STATS", "engine_stats",
 ]
 
 
@@ -93,7 +93,9 @@ RETRYABLE_REASONS: tuple[str, ...] = tuple(r.value for r in Reason if r in RETRY
 # OFFLOAD_JOBS_* name is the worker's own (run dir, metrics file, outputs, exit report).
 #   OFFLOAD_JOBS_VRAM_CAP           emulate a smaller card (torch.cuda.set_per_process_memory_fraction)
 #   OFFLOAD_JOBS_HOST_MEMORY_WARN   the host-RAM fraction at which the train runner warns
-RUNNER_ENV_OPTIONS = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_HOST_MEMORY_WARN"})
+#   OFFLOAD_JOBS_RAM_BUDGET         the job's host RAM (as resources.ram): past it the weights stream from disk
+RUNNER_ENV_OPTIONS = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_HOST_MEMORY_WARN", "OFFLOAD_JOBS_RAM_BUDGET"})
+RUNNER_ENV_SIZES = frozenset({"OFFLOAD_JOBS_VRAM_CAP", "OFFLOAD_JOBS_RAM_BUDGET"})  # bytes or a size: checked at submit
 
 
 class StepMetrics(TypedDict, total=False):

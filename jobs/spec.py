@@ -26,7 +26,7 @@ from jobs.spec_yaml import (
     with_origin, yaml_load,
 )
 from jobs import contract
-from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS
+from jobs.contract import EXECUTORS, KINDS, REASONS, RUNNER_ENV_OPTIONS, RUNNER_ENV_SIZES
 from jobs.spec_runners import MOVED_TO_OFFLOAD, InferSpec, ModelSpec, TrainSpec  # the runners' sections live there
 
 __all__ = [
@@ -140,6 +140,11 @@ def _env(value: Any) -> Any:
         if name.startswith("OFFLOAD_JOBS_") and name not in RUNNER_ENV_OPTIONS:
             raise _FieldError(f"env.{name}", "OFFLOAD_JOBS_* variables are set by the worker; choose another name "
                                              f"(a job may set {', '.join(sorted(RUNNER_ENV_OPTIONS))})")
+        if name in RUNNER_ENV_SIZES and isinstance(value[name], (str, int, float)) and not isinstance(value[name], bool):
+            try:  # found at submit, not when the job's runner reads it
+                _parse_size(value[name].strip() if isinstance(value[name], str) else value[name])
+            except ValueError as exc:
+                raise _FieldError(f"env.{name}", str(exc)) from None
     return value
 
 
@@ -225,6 +230,8 @@ class ResourcesSpec(_Strict):
     vram_budget: Optional[Bytes] = Field(None, description="The engine's VRAM budget when offload.vram_budget "
                                                            "and offload.offload_ratio are unset.")
     shm_size: Optional[Bytes] = Field(None, description="Shared memory for the docker executor.")
+    ram: Optional[Bytes] = Field(None, description="Host RAM this train/infer job may hold (default: what the box can "
+                                                   "give); past it the weights stream from shards in the model cache.")
 
 
 class RetrySpec(_Strict):

@@ -24,6 +24,7 @@ from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError, read_lora_header
+from jobs.runners.host_tier import choose_host_tier
 from jobs.runners.lora import base_weights_on_host
 from jobs.runners.precompute import encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
@@ -117,8 +118,15 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
     engine_keys = spec.offload.engine_kwargs()  # as the user wrote them, for params.json
     engine_keys.pop("enable_optimizer_cpu_offload", None)
-    loaded = load_transformer(model_dir, family, dtype, device, offload=offload_config(spec, device, training=False),
-                              training=False,
+    offload = choose_host_tier(spec, offload_config(spec, device, training=False), model_dir, dtype, run_dir,
+                               held_bytes=watch.rss())
+    if lora is not None and offload is not None and offload.lazy_load:
+        # fusing writes the blocks the LoRA touches, which the disk store then keeps in RAM (their files no
+        # longer hold their values), and base_weights_on_host reads the whole state_dict once to do it
+        emit_event(run_dir, "lora_on_disk_tier", message=(
+            "infer.lora with the weights streamed from disk: the LoRA is fused into the host copies of the blocks "
+            "it changes, which then stay in RAM; with less RAM than the model this job may run out of host memory"))
+    loaded = load_transformer(model_dir, family, dtype, device, offload=offload, training=False,
                               with_weights=prepare, rss=watch.rss)
     watch.sample()
     metrics.write({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),

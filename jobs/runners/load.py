@@ -81,6 +81,8 @@ def offload_config(spec: JobSpec, device: torch.device, *, training: bool) -> An
     from offload_core import OffloadConfig
 
     keys = spec.offload.engine_kwargs()
+    if keys.get("lazy_load") and not keys.get("shard_dir"):
+        keys.pop("lazy_load")  # the model cache's shards: host_tier.choose_host_tier turns it back on with them
     if spec.resources.vram_budget is not None and "vram_budget" not in keys and "offload_ratio" not in keys:
         keys["vram_budget"] = spec.resources.vram_budget
     keys["target_device"] = str(device)

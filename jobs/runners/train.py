@@ -33,6 +33,7 @@ from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, bytes_text, free_host_memory, host_ram_on_load, load_pipeline_parts,
                                load_transformer, offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError
+from jobs.runners.host_tier import choose_host_tier
 from jobs.runners.lora import export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
 from jobs.runners.train_parts import StepLoggers, hold_out, make_optimizer, with_trigger
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
@@ -249,7 +250,8 @@ class TrainRecipe:
 
     def _load_model(self) -> None:
         self.watch.phase("load")
-        self.engine_config = offload_config(self.spec, self.device, training=True)
+        self.engine_config = choose_host_tier(self.spec, offload_config(self.spec, self.device, training=True),
+                                              self.model_dir, self.dtype, self.run_dir, held_bytes=self.watch.rss())
         loaded = self.loaded = load_transformer(
             self.model_dir, self.family, self.dtype, self.device, offload=self.engine_config, training=True,
             prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss)

@@ -478,8 +478,10 @@ class DiskStore:
 
     def __init__(self, units: Sequence[Unit], index: ShardIndex, entries: dict[int, SlabEntry], *,
                  cache_bytes: int = 0, num_disk_workers: int = 2, stream_slots: int | None = None,
-                 policy: str = "belady", pin: bool = False, verify: bool = False, direct: bool | None = None) -> None:
+                 policy: str = "belady", pin: bool = False, verify: bool = False, direct: bool | None = None,
+                 reason: str = "") -> None:
         self.index = index
+        self.reason = reason  # why the engine streams from disk (stats()["host_store_reason"])
         self._core = _Core(units, entries, index, cache_bytes=int(cache_bytes or 0), num_disk_workers=num_disk_workers,
                            stream_slots=stream_slots, policy=policy, pin=pin, verify=verify, direct=direct)
         self._finalizer = weakref.finalize(self, _Core.close, self._core)
@@ -520,7 +522,7 @@ class DiskStore:
         return self._core.view(unit, index)
 
     def stats(self) -> dict[str, Any]:
-        return self._core.stats()
+        return {"host_store": "disk", "host_store_reason": self.reason, **self._core.stats()}
 
     def close(self) -> None:
         self._finalizer()

@@ -124,7 +124,10 @@ def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[s
                                     config.disk_stream_slots)
     store = DiskStore(streamed, index, entries, cache_bytes=cache, num_disk_workers=config.num_disk_workers,
                       stream_slots=slots, policy=config.disk_cache_policy, pin=pin, verify=config.disk_verify,
-                      direct=config.disk_direct)
+                      direct=config.disk_direct,
+                      reason=(f"lazy_load: the shards in {shard_dir}" if config.lazy_load else
+                              f"offload_to_disk: the model's shards written to {shard_dir}")
+                      + f" (cache {cache} bytes, {slots} staging slots)")
     if inference:
         # A model with nothing to train (the engine's call: no trainable parameter, or one taken as an
         # inference model, as from_pretrained leaves it): before its first pass no trace exists, so the disk would read each

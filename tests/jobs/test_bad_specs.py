@@ -197,7 +197,7 @@ def test_bad_specs_through_the_console_script(tmp_path: Path, text: str, sets: l
 GOOD = "kind: command\nname: ok\ncommand: echo hi\n"
 NUMERIC_INT = ["priority", "train.steps", "retry.max_attempts", "resources.gpus", "offload.prefetch", "infer.seed"]
 NUMERIC_FLOAT = ["train.lr", "offload.offload_ratio", "infer.guidance"]
-SIZES = ["offload.vram_budget", "offload.max_memory", "resources.shm_size"]
+SIZES = ["offload.vram_budget", "offload.max_memory", "resources.shm_size", "resources.ram"]
 DURATIONS = ["limits.max_duration", "limits.stop_grace"]
 
 

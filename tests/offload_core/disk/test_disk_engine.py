@@ -61,6 +61,7 @@ def test_inference_from_shards_is_bitwise_and_keeps_state(shards: tuple, policy:
     s = handle.stats()
     assert s["disk_reads"] > 0 and s["disk_cache_hits"] + s["disk_cache_misses"] > 0
     assert s["pinned_capacity_bytes"] >= s["disk_cache_capacity_bytes"]
+    assert s["host_store"] == "disk" and s["host_store_reason"].startswith(f"lazy_load: the shards in {dst}")
     sd = model.state_dict()  # real values while offloaded, read through the store
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     handle.remove()
@@ -113,6 +114,7 @@ def test_offload_to_disk_writes_frees_and_streams(shards: tuple, tmp_path: Path)
     for _ in range(2):
         assert torch.equal(_run(model), want)
     assert handle.stats()["disk_cache_hits"] == 0 and handle.stats()["disk_reads"] > 0
+    assert handle.stats()["host_store"] == "disk" and "offload_to_disk" in handle.stats()["host_store_reason"]
     handle.remove()
 
 

@@ -1,0 +1,155 @@
+"""GPU acceptance of "RAM smaller than the model": a Flux-dev-dims LoRA train job with 16 GiB of job RAM.
+
+    bash scripts/h200_wheels.sh                               # here, with PyPI: .whl/ for the GPU box
+    # on the GPU box (~5 min; OUT needs ~52 GB free: the 23.8 GB model and its 23.8 GB of shards):
+    pip install -q --no-index --find-links .whl -r .whl/requirements.txt
+    python scripts/h200_ramtier.py --out /tmp/oj-ramtier --json /tmp/oj-ramtier/ramtier.json
+    # or the same through pytest:  RAMTIER_OUT=/tmp/oj-ramtier pytest -m gpu tests/jobs/runners/test_ram_tier_gpu.py
+
+It builds the random Flux-dev-dims diffusers folder (scripts/make_big_pipeline.py: 19 + 38 blocks, width
+3072, 23.8 GB bf16; tiny text encoders and VAE) under OUT, starts a worker (state dir OUT/home, so the
+model cache's shards land in OUT/home/models/shards) and submits one train job: LoRA r32 on the
+attention projections, gradient checkpointing, `OFFLOAD_JOBS_RAM_BUDGET=16GiB` and
+`OFFLOAD_JOBS_VRAM_CAP=8GiB` in its env and nothing else about offload. The runner must see that the
+weights do not fit, shard them once into the model cache and stream them from disk. It prints and
+keeps (`--json`): the job's status, its `runner.host_store` and `runner.shard_cache` events, s/step
+and a disk floor estimate, peak VRAM, and the peak host RSS (the job's own watch) against the 16 GiB.
+The model folder and the shards are deleted at the end unless `--keep`.
+
+`--device cpu --blocks 1 --single-blocks 1 --size 64 --text-tokens 32 --ram 1GiB` runs the same path on
+a CPU box (a smoke test of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from h200_runners import TARGETS, Worker, _dataset, _records  # noqa: E402  (the worker and dataset helpers)
+
+from byte_sizes import parse_bytes  # noqa: E402
+
+
+def _events(job: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    path = Path(job["run_dir"]) / "events.jsonl"
+    return [e for e in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+            if e.get("type") == f"runner.{kind}"]
+
+
+def _report(job: dict[str, Any], ram: int) -> dict[str, Any]:
+    run = Path(job["run_dir"])
+    out: dict[str, Any] = {"status": job["status"], "reason": job.get("reason"), "message": job.get("message"),
+                           "host_store": _events(job, "host_store"), "shard_cache": _events(job, "shard_cache"),
+                           "ram_budget_bytes": ram}
+    if job["status"] != "SUCCEEDED":
+        out["log_tail"] = (run / "output.log").read_text(errors="replace")[-4000:]
+        return out
+    steps = [r for r in _records(job) if "loss" in r]
+    summary = json.loads((run / "outputs" / "train_summary.json").read_text())
+    later = steps[len(steps) // 2:] or steps
+    last = steps[-1]
+    tier = out["host_store"][-1] if out["host_store"] else {}
+    # what must come from disk per step: the streamed bytes the cache cannot hold, twice (forward, then
+    # the recompute that backward shares), at the rate the disk tier itself measured
+    streamed, cache = last.get("streamed_bytes", 0), tier.get("max_memory_bytes", 0)
+    gbps = last.get("disk_gbps") or 0.0
+    disk_floor = 2 * max(0, streamed - cache) / (gbps * 1e9) if gbps else None
+    s_per_step = statistics.median(r["step_seconds"] for r in later)
+    out.update({
+        "steps": len(steps), "losses": [round(r["loss"], 5) for r in steps],
+        "step_seconds": [round(r["step_seconds"], 3) for r in steps], "s_per_step": s_per_step,
+        "disk_gbps": gbps, "disk_floor_s_estimate": disk_floor,
+        "x_disk_floor": s_per_step / disk_floor if disk_floor else None,
+        "row_host_store": last.get("host_store"), "vram_peak_bytes": last.get("vram_peak_bytes"),
+        "weight_bytes": summary.get("weight_bytes"), "rss_peak_bytes": summary["host_rss_peak_bytes"],
+        "rss_peaks_by_phase": summary.get("host_rss_peaks", {}),
+        "rss_within_budget": summary["host_rss_peak_bytes"] <= ram,
+    })
+    return out
+
+
+def _print(rep: dict[str, Any]) -> None:
+    gib = 2**30
+    print(f"\n== flux-dev dims, job RAM {rep['ram_budget_bytes'] / gib:.1f} GiB: train {rep['status']}", flush=True)
+    for e in rep["host_store"] + rep["shard_cache"]:
+        print("  event " + json.dumps({k: v for k, v in e.items() if k != "ts"}))
+    if rep["status"] != "SUCCEEDED":
+        print(f"  {rep.get('reason')}: {rep.get('message')}\n{rep.get('log_tail', '')}")
+        return
+    floor = rep["disk_floor_s_estimate"]
+    print(f"  {rep['steps']} steps {rep['step_seconds']}; s/step {rep['s_per_step']:.2f}; disk {rep['disk_gbps']:.2f} GB/s"
+          + (f"; disk floor ~{floor:.2f} s -> x{rep['x_disk_floor']:.2f}" if floor else ""))
+    print(f"  rows say host_store {rep['row_host_store']}; peak VRAM {(rep['vram_peak_bytes'] or 0) / gib:.2f} GiB")
+    print(f"  peak host RSS {rep['rss_peak_bytes'] / gib:.2f} GiB of {rep['ram_budget_bytes'] / gib:.1f} GiB "
+          f"({ {True: 'within', False: 'OVER', None: 'not judged on the CPU'}[rep['rss_within_budget']]}); by phase "
+          + ", ".join(f"{k} {v / gib:.2f}" for k, v in rep["rss_peaks_by_phase"].items()))
+    print(f"  losses {rep['losses']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/oj-ramtier"), help="Work folder (~52 GB free at full size).")
+    p.add_argument("--ram", default="16GiB", help="The job's RAM (OFFLOAD_JOBS_RAM_BUDGET).")
+    p.add_argument("--cap", default="8GiB", help="The VRAM cap (OFFLOAD_JOBS_VRAM_CAP).")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--size", type=int, default=512, help="Image side.")
+    p.add_argument("--text-tokens", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=None, help="Override the depth (smoke tests).")
+    p.add_argument("--single-blocks", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--keep", action="store_true", help="Keep the model folder and the shards.")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, home = args.out / "model-flux", args.out / "home"
+    cmd = [sys.executable, str(REPO / "scripts" / "make_big_pipeline.py"), "flux", str(model)]
+    cmd += ["--blocks", str(args.blocks)] if args.blocks is not None else []
+    cmd += ["--single-blocks", str(args.single_blocks)] if args.single_blocks is not None else []
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO)  # a child: this process holds none of the model's memory
+    print(f"built the model in {time.time() - t0:.0f}s", flush=True)
+    data = _dataset("flux", args.out, args.size, 1)
+    worker = Worker(home, args.device)
+    try:
+        env = {"OFFLOAD_JOBS_RAM_BUDGET": args.ram}
+        env.update({"OFFLOAD_JOBS_VRAM_CAP": args.cap} if args.device == "cuda" else {"OMP_NUM_THREADS": "2"})
+        spec = {"kind": "train", "name": "ramtier-flux-train", "model": {"path": str(model), "dtype": "bfloat16"},
+                "offload": {"target_device": args.device}, "env": env,
+                "resources": {"gpus": 1 if args.device == "cuda" else 0},
+                "train": {"dataset": str(data), "steps": args.steps, "learning_rate": 1e-4, "lora_rank": 32,
+                          "lora_target_modules": TARGETS["flux"], "max_pixels": args.size * args.size,
+                          "gradient_checkpointing": True, "save_every": args.steps,
+                          "max_sequence_length": args.text_tokens}}
+        t1 = time.time()
+        job = worker.run(spec, timeout=args.timeout)
+        rep = _report(job, parse_bytes(args.ram))
+        rep["job_seconds"] = round(time.time() - t1, 1)
+        if args.device == "cpu" and "rss_within_budget" in rep:
+            rep["rss_within_budget"] = None  # the CPU is the device: its slot ring and activations live in RAM
+    finally:
+        worker.stop()
+        if not args.keep:
+            shutil.rmtree(model, ignore_errors=True)
+            shutil.rmtree(home / "models" / "shards", ignore_errors=True)
+    _print(rep)
+    if args.json:
+        args.json.write_text(json.dumps(rep, indent=1, default=str))
+    ok = rep["status"] == "SUCCEEDED" and rep.get("row_host_store") == "disk" and rep.get("rss_within_budget") is not False
+    print("\nOK" if ok else "\nFAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
