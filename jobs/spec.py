@@ -1,7 +1,8 @@
 """The YAML job spec: pydantic models, validation with field-naming errors, schema.
 
 Every field is optional except what a kind needs:
-command needs `command`, shard needs `shard.src` and `shard.dst`, train and infer need `model.path`.
+command needs `command`, shard needs `shard.src` and `shard.dst`, train and infer need `model.path`
+(or `model.transformer` with `model.base`).
 Every number has bounds a worker can hold and wait for. Reading files (UTF-8, duplicate keys,
 nesting, --set overrides) is `jobs.spec_yaml`; this module validates what it reads.
 Kept light on purpose (pydantic + pyyaml only): the CLI imports it for `validate`.
@@ -275,8 +276,8 @@ class JobSpec(_Strict):
                 raise _FieldError("shard.src", "a shard job needs `shard.src`")
             if not self.shard.dst:
                 raise _FieldError("shard.dst", "a shard job needs `shard.dst`")
-        elif not self.model.path:
-            raise _FieldError("model.path", f"a {self.kind} job needs `model.path`")
+        else:
+            self._model_sources()
         if self.resources.min_vram and self.gpus == 0:
             raise _FieldError("resources.min_vram", "needs a GPU job: set resources.gpus too")
         if contract.Reason.CANCELLED in self.retry.on:
@@ -288,6 +289,24 @@ class JobSpec(_Strict):
             raise _FieldError("env", f"`env` and `command` add up to more than {MAX_ARGV_TOTAL} bytes, "
                                      "more than a process can be started with")
         return self
+
+    def _model_sources(self) -> None:
+        m = self.model
+        if m.transformer is None:
+            if not m.path:
+                raise _FieldError("model.path", f"a {self.kind} job needs `model.path` (or `model.transformer` "
+                                                "and `model.base`)")
+            if m.base:
+                raise _FieldError("model.base", "is read only with `model.transformer`; use `model.path`")
+            return
+        if not m.transformer.strip():
+            raise _FieldError("model.transformer", "must not be empty")
+        if m.base and m.path:
+            raise _FieldError("model.base", "set `model.base` or `model.path`, not both (with `model.transformer` "
+                                            "they mean the same: where the text encoders, VAE and configs come from)")
+        if not (m.base or m.path):
+            raise _FieldError("model.base", "a transformer file needs `model.base`: a diffusers folder or hub id "
+                                            "for the text encoders, VAE, tokenizers and configs")
 
     def _move_offload_keys(self) -> None:
         # The train.* offload keys of older specs are read for one release, into offload.*

@@ -56,7 +56,14 @@ def _names(value: object) -> object:
 
 
 class ModelSpec(_Strict):
-    path: Optional[str] = Field(None, description="A diffusers model folder (model_index.json, transformer/, vae/, ...).")
+    path: Optional[str] = Field(None, description="A diffusers model folder (model_index.json, transformer/, vae/, ...) "
+                                                  "or a hub id; may be null when `transformer` and `base` are set.")
+    transformer: Optional[str] = Field(
+        None, description="The transformer as a single .safetensors file (or a folder of them) in the BFL/original, "
+                          "ComfyUI (any prefix) or diffusers layout; converted once into the model cache.")
+    base: Optional[str] = Field(
+        None, description="With `transformer`: a diffusers folder or hub id for the rest (text encoders, VAE, "
+                          "tokenizers, configs); default `path`.")
     family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
