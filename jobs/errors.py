@@ -14,6 +14,7 @@
     ├── RunnerInputError    (jobs.runners.errors) bad input to a train or infer job: reason setup_failed
     │   ├── DatasetError    a missing or unreadable file, a missing column, no images at all
     │   ├── FamilyError     a model folder that is not a diffusers folder of the family asked for
+    │   ├── CheckpointError a transformer file unreadable, truncated, of no known family, or not a transformer
     │   ├── LoraError       a LoRA that cannot be made or used
     │   ├── PromptError     a prompt whose inline options do not parse
     │   ├── OptimizerError  train.optimizer names a library that is not installed

@@ -5,7 +5,9 @@ workdir that was never made, an image dockerd does not have. Those fail at submi
 `offload-jobs validate --strict`) with the field named, not minutes later as setup_failed.
 Paths of `executor: docker` jobs live inside the container, so only the image is checked there.
 A `model.path` that is a hub id (`org/name[@rev]`, not on disk) is fetched by the job; a local one
-must be a diffusers folder of a family we run (a single-file checkpoint is refused here).
+must be a diffusers folder of a family we run (a single-file checkpoint is refused there: it goes in
+`model.transformer`, whose header says its family and layout here, with `model.base` or `model.path`
+for the rest).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("workdir", "dir", ("train", "infer", "shard", "command")),
     ("shard.src", "any", ("shard",)),
     ("model.path", "any", ("train", "infer")),
+    ("model.base", "any", ("train", "infer")),
+    ("model.transformer", "any", ("train", "infer")),
     ("train.dataset", "dir", ("train",)),
 ]
 
@@ -47,7 +51,7 @@ def spec_paths(spec: JobSpec) -> list[tuple[str, str, str]]:
         if spec.kind not in kinds:
             continue
         value = _get(spec, field)
-        if field == "model.path" and _hub_id(value, base):
+        if field in ("model.path", "model.base") and _hub_id(value, base):
             continue  # fetched from the hub by the job
         if isinstance(value, str) and value:
             path = os.path.expanduser(value)
@@ -63,18 +67,39 @@ def _hub_id(value: Any, base: str | None) -> bool:
     return isinstance(value, str) and parse_hub_id(value, base if base and not os.path.isabs(value) else None) is not None
 
 
-def model_layout_error(path: str) -> str | None:
+def model_layout_error(path: str, field: str = "model.path") -> str | None:
     """Why `path` (which exists) is not a diffusers folder of a family we run; None when it is."""
     from jobs.runners.folders import FamilyError, detect_family  # stdlib only: json and struct
 
     if os.path.isfile(path):
         kind = "a single-file checkpoint" if path.endswith((".safetensors", ".ckpt", ".pt", ".bin", ".gguf")) else "a file"
+        hint = "; a transformer file goes in model.transformer, with model.base a diffusers folder for the rest" \
+            if path.endswith(".safetensors") else ""
         return (f"{path} is {kind}; a diffusers model folder (model_index.json, transformer/, vae/, ...) "
-                "or a hub id (org/name) is expected")
+                f"or a hub id (org/name) is expected{hint}")
     try:
-        detect_family(path)
+        detect_family(path, field=field)
     except FamilyError as exc:
-        return str(exc).removeprefix("model.path: ")
+        return str(exc).removeprefix(f"{field}: ")
+    return None
+
+
+def transformer_error(spec: JobSpec, path: str, base: str | None) -> str | None:
+    """Why the `model.transformer` checkpoint at `path` cannot run (its header alone is read); None when it can."""
+    from jobs.runners.errors import RunnerInputError
+    from jobs.runners.folders import detect_family
+    from jobs.runners.single_file import detect_checkpoint
+
+    try:
+        found = detect_checkpoint(path)
+        if base is not None:  # a local base: the families must agree (a hub base is checked by the job)
+            family = detect_family(base, spec.model.family)
+            if found.family != family:
+                return f"{path} is a {found.family} transformer; the base {base} is a {family} model"
+        elif spec.model.family and spec.model.family != found.family:
+            return f"{path} is a {found.family} transformer; model.family says {spec.model.family}"
+    except RunnerInputError as exc:
+        return str(exc).removeprefix("model.transformer: ")
     return None
 
 
@@ -101,8 +126,13 @@ def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) 
             raise SpecError(field, f"{path} {why} on the worker")
         if what == "any" and not os.path.exists(path):
             raise SpecError(field, f"{path} does not exist on the worker")
-    for field, path, _ in spec_paths(spec):  # every path is there: is the model one we can load?
-        if field == "model.path":
-            why = model_layout_error(path)
+    paths = {field: path for field, path, _ in spec_paths(spec)}
+    for field, path in paths.items():  # every path is there: is the model one we can load?
+        if field in ("model.path", "model.base"):
+            why = model_layout_error(path, field)
             if why:
                 raise SpecError(field, why)
+    if "model.transformer" in paths:
+        why = transformer_error(spec, paths["model.transformer"], paths.get("model.base") or paths.get("model.path"))
+        if why:
+            raise SpecError("model.transformer", why)

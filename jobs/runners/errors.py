@@ -14,7 +14,7 @@ from jobs.contract import Reason
 
 from jobs.errors import JobsError
 
-__all__ = ["RunnerInputError", "DatasetError", "FamilyError", "LoraError", "PromptError", "OptimizerError",
+__all__ = ["RunnerInputError", "DatasetError", "FamilyError", "CheckpointError", "LoraError", "PromptError", "OptimizerError",
            "SetupError", "NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
 
 
@@ -32,6 +32,10 @@ class DatasetError(RunnerInputError):
 
 class FamilyError(RunnerInputError):
     """A model folder that is not a diffusers folder of the family asked for."""
+
+
+class CheckpointError(RunnerInputError):
+    """A model.transformer file that is unreadable, truncated, of no known family, or not a transformer."""
 
 
 class LoraError(RunnerInputError):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from jobs.runners.errors import FamilyError, LoraError, SetupError  # on the tree drawn in jobs.errors
 
-__all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_family", "read_lora_header", "lora_family"]
+__all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_family", "safetensors_header",
+           "read_lora_header", "lora_family"]
 
 # family -> (pipeline class, transformer class): the names model_index.json and config.json use
 FAMILY_CLASSES = {"flux": ("FluxPipeline", "FluxTransformer2DModel"),
@@ -24,7 +25,7 @@ _BY_PIPELINE = {p: f for f, (p, _) in FAMILY_CLASSES.items()}
 _BY_TRANSFORMER = {t: f for f, (_, t) in FAMILY_CLASSES.items()}
 
 
-def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
+def detect_family(model_dir: str | Path, expected: str | None = None, field: str = "model.path") -> str:
     """The family of a diffusers folder, from model_index.json (or transformer/config.json).
 
     Raises FamilyError naming the folder when it is not a diffusers folder, is of a family we do
@@ -32,7 +33,7 @@ def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
     """
     root = Path(model_dir).expanduser()
     if not root.is_dir():
-        raise FamilyError(f"model.path: {root} is not a folder (a diffusers model folder is expected)")
+        raise FamilyError(f"{field}: {root} is not a folder (a diffusers model folder is expected)")
     found: str | None = None
     index = root / "model_index.json"
     tconf = root / "transformer" / "config.json"
@@ -46,21 +47,21 @@ def detect_family(model_dir: str | Path, expected: str | None = None) -> str:
             found = _BY_TRANSFORMER.get(cls)
             what = f"a folder whose transformer is a {cls or 'unnamed'}"
         else:
-            raise FamilyError(f"model.path: {root} has no model_index.json (a diffusers model folder is expected)")
+            raise FamilyError(f"{field}: {root} has no model_index.json (a diffusers model folder is expected)")
     except (OSError, ValueError) as exc:
-        raise FamilyError(f"model.path: cannot read {index if index.exists() else tconf}: {exc}") from None
+        raise FamilyError(f"{field}: cannot read {index if index.exists() else tconf}: {exc}") from None
     if found is None:
-        raise FamilyError(f"model.path: {root} is {what}; supported families: {', '.join(FAMILY_CLASSES)}")
+        raise FamilyError(f"{field}: {root} is {what}; supported families: {', '.join(FAMILY_CLASSES)}")
     if expected is not None and expected != found:
         raise FamilyError(f"model.family: the spec says {expected}, but {root} is a {found} model ({what})")
     return found
 
 
-def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
-    """(metadata, tensor names) of a .safetensors file, from its JSON header alone.
+def safetensors_header(path: str | Path, field: str, error: type[Exception] = LoraError) -> dict[str, dict]:
+    """The JSON header of a .safetensors file (``__metadata__`` included), read alone; `error` names `field`.
 
     Every tensor's ``data_offsets`` are checked as offload_core's reader checks them: two integers,
-    0 <= start <= end, inside the file, no two tensors sharing bytes.
+    0 <= start <= end, inside the file (else the file is truncated), no two tensors sharing bytes.
     """
     p = Path(path)
     try:
@@ -73,24 +74,32 @@ def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, struct.error) as exc:
-        raise LoraError(f"infer.lora: {p} is not a readable .safetensors file ({exc})") from None
-    meta = header.pop("__metadata__", None) or {}
+        raise error(f"{field}: {p} is not a readable .safetensors file ({exc})") from None
     spans = []
     for name, info in header.items():
+        if name == "__metadata__":
+            continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         a, b = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
         if not (type(a) is int and type(b) is int) or a < 0 or b < a:
-            raise LoraError(f"infer.lora: {p}: tensor {name}: data_offsets {offsets!r} are not two integers "
-                            "0 <= start <= end (a damaged or hand-made header)")
+            raise error(f"{field}: {p}: tensor {name}: data_offsets {offsets!r} are not two integers "
+                        "0 <= start <= end (a damaged or hand-made header)")
         if 8 + n + b > size:
-            raise LoraError(f"infer.lora: {p}: tensor {name} ends at byte {8 + n + b}, the file has {size} (truncated)")
+            raise error(f"{field}: {p}: tensor {name} ends at byte {8 + n + b}, the file has {size} (truncated)")
         spans.append((a, b, name))
     reach, holder = 0, ""
     for a, b, name in sorted(spans):
         if a < b and a < reach:
-            raise LoraError(f"infer.lora: {p}: tensor {name}: data_offsets overlap tensor {holder}'s")
+            raise error(f"{field}: {p}: tensor {name}: data_offsets overlap tensor {holder}'s")
         if a < b:
             reach, holder = b, name
+    return header
+
+
+def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
+    """(metadata, tensor names) of a LoRA .safetensors file, from its JSON header alone."""
+    header = dict(safetensors_header(path, "infer.lora"))
+    meta = header.pop("__metadata__", None) or {}
     return {str(k): str(v) for k, v in meta.items()}, list(header)
 
 
