@@ -35,9 +35,10 @@ def _say(line: str) -> None:
 
 
 def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.dtype, run_dir: Path,
-                     held_bytes: int) -> Any:
+                     held_bytes: int, transformer_dir: Path | None = None) -> Any:
     """`offload` (the engine's OffloadConfig, or None: no engine) with the disk tier on where the
-    job's RAM cannot hold the weights; unchanged otherwise. `held_bytes`: this process's RSS now."""
+    job's RAM cannot hold the weights; unchanged otherwise. `held_bytes`: this process's RSS now.
+    `transformer_dir`: the transformer folder when not `model_dir`'s transformer/."""
     if offload is None or offload.offload_to_disk or (offload.lazy_load and offload.shard_dir):
         if offload is not None and offload.lazy_load:
             emit_event(run_dir, Metric.host_store, host_store=TIER_DISK, reason="offload.lazy_load with its shard_dir",
@@ -46,7 +47,8 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
     from offload_core.disk.errors import ShardError
 
     try:
-        source = read_source(Path(model_dir) / "transformer", dtype, offload.weight_dtype)
+        folder = Path(transformer_dir) if transformer_dir is not None else Path(model_dir) / "transformer"
+        source = read_source(folder, dtype, offload.weight_dtype)
     except ShardError as exc:  # no safetensors to size or shard: loading says what is wrong with the folder
         _say(f"host RAM: not checked ({exc})")
         return offload

@@ -19,6 +19,7 @@ import torch
 
 from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
+from jobs.runners.convert import transformer_folder
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
@@ -65,7 +66,7 @@ def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
     watch = HostMemoryWatch(run_dir)
     with watch:
         return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
-                      prompts, watch)
+                      prompts, watch, transformer=checked.transformer)
 
 
 def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
@@ -97,7 +98,7 @@ def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
 
 def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
            dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
-           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch) -> dict[str, Any]:
+           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None) -> dict[str, Any]:
     i = spec.infer
     watch.phase("encode")
     t0 = time.perf_counter()
@@ -118,8 +119,9 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
     engine_keys = spec.offload.engine_kwargs()  # as the user wrote them, for params.json
     engine_keys.pop("enable_optimizer_cpu_offload", None)
+    tdir = transformer_folder(model_dir, transformer, run_dir)
     offload = choose_host_tier(spec, offload_config(spec, device, training=False), model_dir, dtype, run_dir,
-                               held_bytes=watch.rss())
+                               held_bytes=watch.rss(), transformer_dir=tdir)
     if lora is not None and offload is not None and offload.lazy_load:
         # fusing writes the blocks the LoRA touches, which the disk store then keeps in RAM (their files no
         # longer hold their values), and base_weights_on_host reads the whole state_dict once to do it
@@ -127,7 +129,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             "infer.lora with the weights streamed from disk: the LoRA is fused into the host copies of the blocks "
             "it changes, which then stay in RAM; with less RAM than the model this job may run out of host memory"))
     loaded = load_transformer(model_dir, family, dtype, device, offload=offload, training=False,
-                              with_weights=prepare, rss=watch.rss)
+                              with_weights=prepare, rss=watch.rss, transformer_dir=tdir)
     watch.sample()
     metrics.write({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.runners.data import Item, scan_dataset
+from jobs.runners.errors import CheckpointError
 from jobs.runners.folders import LoraError, SetupError, detect_family, lora_family
 from jobs.runners.prompts import PromptSpec, parse_prompt, read_prompts
 from jobs.spec import JobSpec
@@ -31,14 +32,27 @@ class Checked:
     model_dir: Path
     items: list[Item] = field(default_factory=list)
     lora: Path | None = None
+    transformer: Path | None = None  # model.transformer: a checkpoint converted at load (jobs.runners.convert)
 
 
-def _model(spec: JobSpec) -> tuple[str, Path]:
+def _model(spec: JobSpec) -> tuple[str, Path, Path | None]:
+    """(family, the diffusers folder, the model.transformer checkpoint or None)."""
     from jobs.hub import resolve_model_path
 
-    path = resolve_model_path(spec.model.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"))  # a hub id: fetched here
+    m = spec.model
+    field = "model.base" if m.transformer is not None and m.base else "model.path"
+    path = resolve_model_path(m.base or m.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"))  # a hub id: fetched here
     model_dir = Path(path or "").expanduser().resolve()  # relative paths: from the job's workdir
-    return detect_family(model_dir, spec.model.family), model_dir
+    family = detect_family(model_dir, m.family, field=field)
+    if m.transformer is None:
+        return family, model_dir, None
+    from jobs.runners.single_file import detect_checkpoint
+
+    found = detect_checkpoint(Path(m.transformer).expanduser().resolve())
+    if found.family != family:
+        raise CheckpointError(f"model.transformer: {found.path} is a {found.family} transformer; {field} {model_dir} "
+                              f"is a {family} model")
+    return family, model_dir, found.path
 
 
 def host_memory() -> int:
@@ -80,7 +94,7 @@ def _prompts_parse(texts: list[str], defaults: PromptSpec | None = None, where: 
 
 def check_train(spec: JobSpec) -> Checked:
     t = spec.train
-    family, model_dir = _model(spec)
+    family, model_dir, transformer = _model(spec)
     if not t.dataset:
         raise SetupError("train.dataset: a train job needs a dataset folder")
     dataset = Path(t.dataset).expanduser().resolve()
@@ -94,7 +108,7 @@ def check_train(spec: JobSpec) -> Checked:
     _prompts_parse(read_prompts(t.sample_prompts, dataset),
                    PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0,
                               frames=t.num_frames if video else 1), "train.sample_prompts")
-    return Checked(family=family, model_dir=model_dir, items=items)
+    return Checked(family=family, model_dir=model_dir, items=items, transformer=transformer)
 
 
 def resolve_lora(ref: str, home: Path) -> Path:
@@ -118,7 +132,7 @@ def resolve_lora(ref: str, home: Path) -> Path:
 
 
 def check_infer(spec: JobSpec, home: Path) -> Checked:
-    family, model_dir = _model(spec)
+    family, model_dir, transformer = _model(spec)
     lora = None
     if spec.infer.lora:
         lora = resolve_lora(spec.infer.lora, home)
@@ -131,5 +145,5 @@ def check_infer(spec: JobSpec, home: Path) -> Checked:
                i.width * i.height, frames)
     prompts = i.prompt if isinstance(i.prompt, list) else [i.prompt]
     _prompts_parse(prompts, PromptSpec(prompt="", width=i.width, height=i.height, frames=frames), "infer.prompt")
-    return Checked(family=family, model_dir=model_dir, lora=lora)
+    return Checked(family=family, model_dir=model_dir, lora=lora, transformer=transformer)
 

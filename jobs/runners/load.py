@@ -159,7 +159,7 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
                      prepare: Callable[[torch.nn.Module], None] | None = None,
                      with_weights: Callable[[torch.nn.Module], None] | None = None,
                      make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
-                     rss: Callable[[], int] | None = None) -> LoadedTransformer:
+                     rss: Callable[[], int] | None = None, transformer_dir: Path | None = None) -> LoadedTransformer:
     """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
 
     `offload` is the engine's OffloadConfig (`offload_config(spec, ...)`; None keeps the model resident on `device`). `prepare(model)` runs
@@ -168,10 +168,12 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     weights have their values (a LoRA fused into them): before the engine when the model was loaded
     into RAM, after it (on its host masters) when it was built on the meta device.
     `make_optimizer(model)` builds the optimizer over what `prepare` made trainable.
+    `transformer_dir`: where the transformer is when not in `model_dir`'s transformer/ (a converted
+    `model.transformer` checkpoint: jobs.runners.convert).
     """
     _, cls = family.classes()
     rss = rss or (lambda: 0)
-    folder = Path(model_dir) / "transformer"
+    folder = Path(transformer_dir) if transformer_dir is not None else Path(model_dir) / "transformer"
     if isinstance(offload, dict):  # engine keys, as enable_offload takes them
         from offload_core import OffloadConfig
 
@@ -184,7 +186,7 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
         if not offload.lazy_load:
             offload = dataclasses.replace(offload, weights=str(folder))
     else:
-        model = cls.from_pretrained(str(model_dir), subfolder="transformer", dtype=dtype, low_cpu_mem_usage=True)
+        model = cls.from_pretrained(str(folder), dtype=dtype, low_cpu_mem_usage=True)
         model.eval()
     loaded = LoadedTransformer(model=model, weight_bytes=module_bytes(model))
     loaded.memory["rss_before_load"] = before

@@ -37,7 +37,7 @@ import torch
 from jobs.runners.errors import SetupError
 
 __all__ = ["ShardSource", "CachedShards", "MARKER", "read_source", "shard_key", "is_complete", "cached_shards",
-           "shard_cache_root"]
+           "shard_cache_root", "locked", "publish_entry", "check_space"]
 
 MARKER = "cache.json"
 GRANULARITY = "block"  # what the engine's default granularity binds to; also in the key
@@ -97,12 +97,12 @@ def shard_key(source: ShardSource) -> str:
     return h.hexdigest()[:32]
 
 
-def is_complete(entry: Path, key: str) -> bool:
+def is_complete(entry: Path, key: str, required: str = "index.json") -> bool:
     try:
         marker = json.loads((entry / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("key") == key and (entry / "index.json").is_file()
+    return isinstance(marker, dict) and marker.get("key") == key and (entry / required).is_file()
 
 
 @dataclass
@@ -122,7 +122,7 @@ class CachedShards:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a job sharding the same model: wait for it, then take its entry
@@ -140,7 +140,20 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _check_space(root: Path, need: int) -> None:
+def publish_entry(partial: Path, entry: Path, marker: dict[str, Any]) -> None:
+    """Make the finished `partial` folder the entry `entry`: its marker written and synced, then one rename."""
+    tmp = partial / f"{MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, partial / MARKER)
+    _fsync_dir(partial)
+    os.rename(partial, entry)
+    _fsync_dir(entry.parent)
+
+
+def check_space(root: Path, need: int) -> None:
     free = shutil.disk_usage(root).free
     if free < need:
         raise SetupError(f"{root}: {free / 2**30:.1f} GiB free, and streaming this model from disk needs its shards "
@@ -157,14 +170,14 @@ def cached_shards(source: ShardSource, root: Path, say: Callable[[str], None] = 
     if is_complete(entry, key):
         return CachedShards(entry, key, hit=True)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{key}.lock"):
+    with locked(root / f"{key}.lock"):
         if is_complete(entry, key):  # another job finished it while this one waited
             return CachedShards(entry, key, hit=True)
         out = CachedShards(entry, key, hit=False, removed_incomplete=entry.exists())
         if out.removed_incomplete:
             shutil.rmtree(entry)  # never trusted without its marker
         partial = root / f"{key}.partial"
-        _check_space(root, source.weight_bytes)
+        check_space(root, source.weight_bytes)
         say(f"sharding {source.folder} into the model cache ({source.weight_bytes / 1e9:.2f} GB, once): {entry}")
         t0 = time.monotonic()
 
@@ -175,17 +188,8 @@ def cached_shards(source: ShardSource, root: Path, say: Callable[[str], None] = 
 
         result = shard_checkpoint(source.folder, partial, dtype=source.store_dtype, granularity=GRANULARITY,
                                   progress=False, callback=report, overwrite=True)
-        marker = {"key": key, "source": str(source.folder), "dtype": source.store_dtype, "bytes": result["bytes"],
-                  "created": time.time()}
-        tmp = partial / f"{MARKER}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, partial / MARKER)
-        _fsync_dir(partial)
-        os.rename(partial, entry)
-        _fsync_dir(root)
+        publish_entry(partial, entry, {"key": key, "source": str(source.folder), "dtype": source.store_dtype,
+                                       "bytes": result["bytes"], "created": time.time()})
         out.seconds = time.monotonic() - t0
         out.written_bytes, out.resumed_units = result["written_bytes"], result["resumed"]
     return out

@@ -26,6 +26,7 @@ from jobs.contract import Metric, StepMetrics
 from jobs.runners import render as rnd
 from jobs.runners.checkpoint import CheckpointStore
 from jobs.runners.controls import Controls
+from jobs.runners.convert import transformer_folder
 from jobs.runners.data import epoch_order, make_buckets, nearest_bucket
 from jobs.runners.errors import NonFiniteLoss
 from jobs.runners.families import FamilyAdapter, get_adapter
@@ -153,6 +154,7 @@ class TrainRecipe:
         self.dtype = resolve_dtype(spec.model.dtype, self.device)
         self.family = get_adapter(checked.family)
         self.model_dir = checked.model_dir
+        self.transformer_file = checked.transformer
         self.items, self.val_items = hold_out(checked.items, t.validation)
         defaulted = sum(it.caption == t.default_caption for it in checked.items) if t.default_caption is not None else 0
         for it in self.items + self.val_items:
@@ -250,11 +252,13 @@ class TrainRecipe:
 
     def _load_model(self) -> None:
         self.watch.phase("load")
+        tdir = transformer_folder(self.model_dir, self.transformer_file, self.run_dir)
         self.engine_config = choose_host_tier(self.spec, offload_config(self.spec, self.device, training=True),
-                                              self.model_dir, self.dtype, self.run_dir, held_bytes=self.watch.rss())
+                                              self.model_dir, self.dtype, self.run_dir, held_bytes=self.watch.rss(),
+                                              transformer_dir=tdir)
         loaded = self.loaded = load_transformer(
             self.model_dir, self.family, self.dtype, self.device, offload=self.engine_config, training=True,
-            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss)
+            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss, transformer_dir=tdir)
         self.model, self.optimizer = loaded.model, loaded.optimizer
         self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
         self.watch.sample()

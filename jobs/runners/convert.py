@@ -1,0 +1,274 @@
+"""A `model.transformer` checkpoint converted once into a diffusers transformer folder, block by block.
+
+    <model cache>/converted/<key>/      config.json, diffusion_pytorch_model.safetensors.index.json,
+                                        one safetensors file per block, cache.json (the marker, last)
+
+The normal loader (jobs.runners.load: the engine's arena, or the disk tier's shards) then reads the
+folder as it reads any diffusers transformer. The names are diffusers' own converter's
+(`diffusers.loaders.single_file_utils.convert_flux_transformer_checkpoint_to_diffusers`), applied to
+one block at a time: the block's tensors are read from the file (pread, page cache dropped:
+`offload_core.disk.source`), renamed to block 0, and passed with meta-device stand-ins for the
+other tensors the converter pops; what comes back real is the block, renamed back and written to its
+own file. Host RAM holds one block (and the converter's copy of it), never the model. The fused
+tensors (BFL's qkv, linear1) are split on the way; the converter's one hard-coded width (Flux-dev's
+`inner_dim = 3072`, used to split `linear1`) is replaced by the detected width. The file's dtype is
+kept. The key is content-addressed as the shard cache's is (each file's path, size, mtime and
+tensor headers, and the config); the lock, the `.partial` folder and the marker are that cache's.
+
+A job says what it did in events.jsonl: `runner.convert` (hit or miss, seconds, the entry).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from jobs.contract import Metric
+from jobs.runners.errors import CheckpointError
+from jobs.runners.shard_cache import is_complete, locked, publish_entry
+from jobs.runners.single_file import FIELD, FLUX_ROPE, Detected
+
+__all__ = ["ConvertedTransformer", "converted_transformer", "converted_root", "transformer_config", "convert_key",
+           "flux_converter", "transformer_folder"]
+
+CONVERTER_VERSION = 1  # bump when the written folder changes for the same input
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+FLUX_CLASS = "FluxTransformer2DModel"
+# BFL block lists -> diffusers': the unit of conversion is one block of either list
+FLUX_BLOCKS = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
+
+
+def converted_root(model_cache: Path) -> Path:
+    return model_cache / "converted"
+
+
+@dataclass
+class ConvertedTransformer:
+    path: Path
+    key: str
+    hit: bool
+    seconds: float = 0.0
+    written_bytes: int = 0
+    source: str = ""
+    layout: str = ""
+
+    def event(self) -> dict[str, Any]:
+        return {"result": "hit" if self.hit else "miss", Metric.seconds: round(self.seconds, 3), "path": str(self.path),
+                "key": self.key, "source": self.source, "layout": self.layout, "written_bytes": self.written_bytes}
+
+
+def transformer_config(det: Detected, base_dir: Path | None) -> dict[str, Any]:
+    """The config.json of the converted transformer: the base's (when it has one) with every
+    dimension the weights decide taken from the weights."""
+    base: dict[str, Any] = {}
+    conf = base_dir / "transformer" / "config.json" if base_dir is not None else None
+    if conf is not None and conf.is_file():
+        base = json.loads(conf.read_text(encoding="utf-8"))
+        if base.get("_class_name") not in (None, FLUX_CLASS):
+            raise CheckpointError(f"{FIELD}: {det.path} is a {det.family} transformer; the base's {conf} is a "
+                                  f"{base.get('_class_name')}")
+    config = {**base, "_class_name": FLUX_CLASS, **det.config}
+    head = config["attention_head_dim"]
+    rope = base.get("axes_dims_rope")
+    if not rope or sum(rope) != head:
+        rope = FLUX_ROPE.get(head)
+        if rope is None:
+            raise CheckpointError(f"{FIELD}: {det.path} has {head}-wide heads; its rotary axes (axes_dims_rope) are "
+                                  "not in the file: give a model.base whose transformer/config.json has them")
+    config["axes_dims_rope"] = list(rope)
+    config.setdefault("patch_size", 1)
+    return config
+
+
+def convert_key(det: Detected, config: dict[str, Any]) -> str:
+    import diffusers
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"converter": CONVERTER_VERSION, "diffusers": diffusers.__version__, "prefix": det.prefix,
+                         "config": config}, sort_keys=True).encode())
+    for f in det.files:
+        real = f.resolve()
+        st = real.stat()
+        h.update(json.dumps([str(real), st.st_size, st.st_mtime_ns]).encode())
+    h.update(json.dumps(sorted((k, t.dtype, t.shape) for k, t in det.tensors.items())).encode())
+    return h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=8)
+def flux_converter(inner_dim: int) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """diffusers' Flux converter with its Flux-dev width (`inner_dim = 3072`, which splits each single
+    block's fused linear1) replaced by `inner_dim`; the code is otherwise diffusers' own."""
+    from diffusers.loaders import single_file_utils as sfu
+
+    fn = sfu.convert_flux_transformer_checkpoint_to_diffusers
+    source = inspect.getsource(fn)
+    fixed = re.findall(r"^\s*inner_dim = (\d+)\s*$", source, flags=re.M)
+    if inner_dim == 3072 or not fixed:
+        return fn  # Flux-dev's width, or a diffusers that no longer hard-codes it
+    if len(fixed) != 1:
+        raise RuntimeError(f"diffusers {sfu.__name__}: expected one hard-coded inner_dim, found {fixed}")
+    patched = re.sub(r"^(\s*)inner_dim = \d+\s*$", rf"\g<1>inner_dim = {int(inner_dim)}", source, flags=re.M)
+    namespace = dict(fn.__globals__)
+    exec(compile(patched, inspect.getsourcefile(fn) or "<diffusers>", "exec"), namespace)  # noqa: S102 - diffusers' own code
+    return namespace[fn.__name__]
+
+
+def _pieces(names: list[str], blocks: dict[str, str]) -> Iterator[tuple[str, int | None, list[str]]]:
+    """(block list, index, names) for each block, then (``""``, None, the rest)."""
+    by_block: dict[tuple[str, int], list[str]] = {}
+    rest = []
+    for n in names:
+        m = re.match(r"(\w+)\.(\d+)\.", n)
+        if m and m.group(1) in blocks:
+            by_block.setdefault((m.group(1), int(m.group(2))), []).append(n)
+        else:
+            rest.append(n)
+    for (lst, i), keys in sorted(by_block.items()):
+        yield lst, i, keys
+    yield "", None, rest
+
+
+def _flux_piece(det: Detected, read: Callable[[str], torch.Tensor], lst: str, index: int | None,
+                keys: list[str], convert: Callable[..., dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One block (or the tensors outside the blocks) through diffusers' converter."""
+    names = det.names()
+    state: dict[str, torch.Tensor] = {}
+    for n, t in names.items():  # stand-ins: block 0 of each list and the non-block tensors, on meta
+        m = re.match(r"(\w+)\.(\d+)\.", n)
+        if m and (m.group(1) not in FLUX_BLOCKS or m.group(2) != "0"):
+            continue
+        state[n] = torch.empty(t.shape, dtype=_dtype(t.dtype), device="meta")
+    for n in keys:  # the real tensors, as block 0
+        state[re.sub(rf"^{lst}\.\d+\.", f"{lst}.0.", n) if lst else n] = read(det.prefix + n)
+    out = convert(state)  # pops what it converts
+    left = [k for k, v in state.items() if not v.is_meta]
+    if left:  # never dropped without a word
+        raise CheckpointError(f"{FIELD}: {det.path}: diffusers' converter does not know {len(left)} tensor(s) of "
+                              f"{lst or 'the non-block part'}: {', '.join(left[:3])}")
+    mine = {}
+    for k, v in out.items():
+        if v.is_meta:
+            continue
+        if lst:
+            k = re.sub(rf"^{FLUX_BLOCKS[lst]}\.0\.", f"{FLUX_BLOCKS[lst]}.{index}.", k)
+        mine[k] = v.contiguous()
+    return mine
+
+
+_ST = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _dtype(code: str) -> torch.dtype:
+    return _ST[code]
+
+
+def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[str], None]) -> int:
+    """Every block converted and written into `partial`; returns the bytes written."""
+    from safetensors.torch import save_file
+
+    from offload_core.disk.source import SafetensorsSource
+    from offload_core.errors import OffloadError
+
+    import diffusers
+
+    names = list(det.names())
+    bfl = det.layout != "diffusers"
+    blocks = FLUX_BLOCKS if bfl else {v: v for v in FLUX_BLOCKS.values()}
+    convert = flux_converter(config["attention_head_dim"] * config["num_attention_heads"])
+    weight_map: dict[str, str] = {}
+    total = 0
+    pieces = list(_pieces(names, blocks))
+    src = SafetensorsSource(det.files)
+    try:
+        for done, (lst, index, keys) in enumerate(pieces, 1):
+            if bfl:
+                tensors = _flux_piece(det, src.read, lst, index, keys, convert)
+            else:
+                tensors = {n: src.read(det.prefix + n) for n in keys}
+            fname = f"{done:05d}-{(blocks[lst] + '.' + str(index)) if lst else 'non_block'}.safetensors"
+            save_file(tensors, str(partial / fname), metadata={"format": "pt"})
+            for k, v in tensors.items():
+                weight_map[k] = fname
+                total += v.numel() * v.element_size()
+            del tensors
+            if done == len(pieces) or done % max(1, len(pieces) // 10) == 0:
+                say(f"  converted {done}/{len(pieces)} blocks")
+    except OffloadError as exc:  # a file cut short after its header was read, an I/O error: named
+        raise CheckpointError(f"{FIELD}: {exc}") from None
+    except (KeyError, ValueError, RuntimeError) as exc:  # the converter met a tensor it did not expect
+        raise CheckpointError(f"{FIELD}: {det.path}: diffusers' {det.family} converter failed ({type(exc).__name__}: "
+                              f"{exc})") from None
+    finally:
+        src.close()
+    (partial / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (partial / "config.json").write_text(json.dumps({**config, "_diffusers_version": diffusers.__version__}, indent=2))
+    return total
+
+
+def converted_transformer(det: Detected, base_dir: Path | None, root: Path,
+                          say: Callable[[str], None] = print) -> ConvertedTransformer:
+    """The diffusers transformer folder of the checkpoint `det`, from the cache under `root`, or converted now (once)."""
+    if det.family != "flux":
+        raise CheckpointError(f"{FIELD}: {det.path}: converting {det.family} files is not supported yet")
+    config = transformer_config(det, base_dir)
+    key = convert_key(det, config)
+    entry = root / key
+    out = ConvertedTransformer(entry, key, hit=True, source=str(det.path), layout=det.layout)
+    if is_complete(entry, key, INDEX):
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with locked(root / f"{key}.lock"):
+        if is_complete(entry, key, INDEX):  # another job converted it while this one waited
+            return out
+        out.hit = False
+        if entry.exists():
+            shutil.rmtree(entry)  # never trusted without its marker
+        partial = root / f"{key}.partial"
+        shutil.rmtree(partial, ignore_errors=True)  # a conversion killed half-way: started again
+        partial.mkdir()
+        free = shutil.disk_usage(root).free
+        if free < det.weight_bytes:
+            raise CheckpointError(f"{FIELD}: converting {det.path} needs {det.weight_bytes / 2**30:.1f} GiB in {root}, "
+                                  f"which has {free / 2**30:.1f} GiB free; free space or set OFFLOAD_JOBS_MODEL_CACHE")
+        say(f"converting {det.path} ({det.describe()}) into the model cache, once: {entry}")
+        t0 = time.monotonic()
+        out.written_bytes = _write(det, partial, config, say)
+        publish_entry(partial, entry, {"key": key, "source": str(det.path), "layout": det.layout,
+                                       "bytes": out.written_bytes, "created": time.time()})
+        out.seconds = time.monotonic() - t0
+    return out
+
+
+def _say(line: str) -> None:
+    print(f"[offload-jobs] {line}", flush=True)
+
+
+def transformer_folder(model_dir: Path, transformer: Path | None, run_dir: Path,
+                       say: Callable[[str], None] = _say) -> Path:
+    """Where a job's transformer is: `model_dir`'s transformer/, the `model.transformer` folder as it
+    is (a diffusers folder with its config.json), or its conversion in the model cache (an event
+    `runner.convert`: hit or miss, with the seconds it took)."""
+    if transformer is None:
+        return Path(model_dir) / "transformer"
+    from jobs.home import model_cache
+    from jobs.runners.single_file import detect_checkpoint
+    from jobs.runners.telemetry import emit_event
+
+    det = detect_checkpoint(transformer)
+    if det.layout == "diffusers" and not det.prefix and transformer.is_dir() and (transformer / "config.json").is_file():
+        return transformer
+    got = converted_transformer(det, Path(model_dir), converted_root(model_cache(Path(run_dir).parent.parent)), say)
+    emit_event(run_dir, "convert", **got.event())
+    return got.path
