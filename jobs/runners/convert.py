@@ -148,10 +148,12 @@ def _flux_piece(det: Detected, read: Callable[[str], torch.Tensor], lst: str, in
         if m and (m.group(1) not in FLUX_BLOCKS or m.group(2) != "0"):
             continue
         state[n] = torch.empty(t.shape, dtype=_dtype(t.dtype), device="meta")
+    original = {}
     for n in keys:  # the real tensors, as block 0
-        state[re.sub(rf"^{lst}\.\d+\.", f"{lst}.0.", n) if lst else n] = read(det.prefix + n)
+        as0 = re.sub(rf"^{lst}\.\d+\.", f"{lst}.0.", n) if lst else n
+        state[as0], original[as0] = read(det.prefix + n), det.prefix + n
     out = convert(state)  # pops what it converts
-    left = [k for k, v in state.items() if not v.is_meta]
+    left = [original.get(k, k) for k, v in state.items() if not v.is_meta]
     if left:  # never dropped without a word
         raise CheckpointError(f"{FIELD}: {det.path}: diffusers' converter does not know {len(left)} tensor(s) of "
                               f"{lst or 'the non-block part'}: {', '.join(left[:3])}")
