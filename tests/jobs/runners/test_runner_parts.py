@@ -185,7 +185,7 @@ def test_examples_validate() -> None:
 
     repo = Path(__file__).resolve().parents[3]
     names = ["train.yaml", "train-flux.yaml", "train-wan.yaml", "infer.yaml", "infer-wan.yaml", "tiny-train.yaml",
-             "tiny-infer.yaml"]
+             "tiny-infer.yaml", "train-flux-single-file.yaml"]
     for name in names:
         text = (repo / "examples" / name).read_text()
         assert text.startswith("#") and "Run:" in text.split("kind:")[0], f"{name}: opens with how to run it"

@@ -267,3 +267,26 @@ def test_converting_a_1gb_checkpoint_holds_under_1_05x_its_weights(tmp_path: Pat
     assert not got["hit"] and got["weights"] == weights == got["engine_weight_bytes"]
     assert converting <= 0.25 * weights  # a block at a time, never the model
     assert loading <= 1.05 * weights
+
+
+# ---------------------------------------------------------------------------------- the spec
+
+
+def test_the_spec_takes_a_transformer_file_and_names_the_field_of_each_mistake() -> None:
+    from jobs._cli.specfile import read_spec
+    from jobs.spec import parse_spec
+
+    base = {"kind": "infer", "infer": {"prompt": "a"}}
+    m = parse_spec({**base, "model": {"transformer": "/m/flux1-dev.safetensors", "base": "/m/FLUX.1-dev"}}).model
+    assert (m.path, m.transformer, m.base) == (None, "/m/flux1-dev.safetensors", "/m/FLUX.1-dev")
+    wrong = [({"transformer": "/m/f.safetensors"}, "model.base", "needs `model.base`"),
+             ({"transformer": "/m/f.safetensors", "base": "/a", "path": "/b"}, "model.base", "not both"),
+             ({"path": "/a", "base": "/b"}, "model.base", "only with `model.transformer`"),
+             ({}, "model.path", "needs `model.path`")]
+    for model, field, words in wrong:
+        with pytest.raises(SpecError) as err:
+            parse_spec({**base, "model": model})
+        assert err.value.field == field and words in str(err.value), (model, str(err.value))
+    spec = read_spec(REPO / "examples" / "train-flux.yaml",
+                     ["model.path=null", "model.transformer=/m/flux1-dev.safetensors", "model.base=/m/FLUX.1-dev"])
+    assert spec.model.path is None and spec.model.transformer == "/m/flux1-dev.safetensors"
