@@ -24,8 +24,15 @@ def shard(
         "--dtype", help="Convert to this dtype (bfloat16, float16, float8_e4m3fn).", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Write into a non-empty DST this tool did not write (its other files stay).")] = False,
+    base: Annotated[Optional[Path], typer.Option(
+        "--base", help="For a BFL/ComfyUI transformer file: a diffusers folder whose transformer/config.json "
+                       "completes its config (needed only where the file cannot say, e.g. rotary axes of "
+                       "non-128 heads).", show_default=False)] = None,
 ) -> None:
-    """Convert a checkpoint into per-unit shards the engine streams from disk (lazy_load)."""
+    """Convert a checkpoint into per-unit shards the engine streams from disk (lazy_load).
+
+    A Flux transformer file in the BFL or ComfyUI layout is first converted to diffusers' names, a
+    block at a time, into the model cache (reused by jobs), then sharded."""
     if not src.exists():
         raise CliError(f"{src}: no such file or directory")
     try:
@@ -34,7 +41,14 @@ def shard(
     except ModuleNotFoundError as exc:  # a jobs-only install without the engine
         raise CliError(f"shard: needs the offload engine ({exc.name} is missing)") from None
     try:
-        result = shard_checkpoint(str(src), str(dst), dtype=dtype, overwrite=overwrite)
+        from jobs.home import model_cache, state_home
+        from jobs.runners.convert import shard_source
+        from jobs.runners.errors import RunnerInputError
+
+        source = shard_source(src, base, model_cache(state_home()), say=lambda line: typer.echo(line, err=True))
+        result = shard_checkpoint(str(source), str(dst), dtype=dtype, overwrite=overwrite)
+    except RunnerInputError as exc:
+        raise CliError(f"shard: {str(exc).replace('model.transformer: ', '', 1)}") from None
     except (OffloadError, PermissionError) as exc:
         raise CliError(f"shard: {exc}") from None
     typer.echo(f"sharded {src} -> {dst}: {result['units']} units in {result['files']} files, "

@@ -39,7 +39,7 @@ from jobs.runners.shard_cache import is_complete, locked, publish_entry
 from jobs.runners.single_file import FIELD, FLUX_ROPE, Detected
 
 __all__ = ["ConvertedTransformer", "converted_transformer", "converted_root", "transformer_config", "convert_key",
-           "flux_converter", "transformer_folder"]
+           "flux_converter", "transformer_folder", "shard_source"]
 
 CONVERTER_VERSION = 1  # bump when the written folder changes for the same input
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -274,3 +274,17 @@ def transformer_folder(model_dir: Path, transformer: Path | None, run_dir: Path,
     got = converted_transformer(det, Path(model_dir), converted_root(model_cache(Path(run_dir).parent.parent)), say)
     emit_event(run_dir, "convert", **got.event())
     return got.path
+
+
+def shard_source(src: Path, base: Path | None, model_cache: Path, say: Callable[[str], None] = _say) -> Path:
+    """What `offload-jobs shard` (and a shard job) reads for SRC: a BFL/ComfyUI (or prefixed) transformer
+    checkpoint converted into the model cache first; any other source as it is (the sharder judges it)."""
+    from jobs.runners.single_file import detect_checkpoint
+
+    try:
+        det = detect_checkpoint(src)
+    except CheckpointError:
+        return src  # not a transformer of a family we convert: sharded by its own names, as before
+    if det.layout == "diffusers" and not det.prefix:
+        return src
+    return converted_transformer(det, base, converted_root(model_cache), say).path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from jobs.contract import Metric, Reason, StepMetrics
 from jobs.runners._entry import fail, load_job, write_metrics
@@ -13,6 +14,10 @@ def main() -> None:
     from offload_core.errors import OffloadError
     from offload_core.shard import shard_checkpoint
 
+    from jobs.home import model_cache
+    from jobs.runners.convert import shard_source
+    from jobs.runners.errors import RunnerInputError
+
     print(f"sharding {spec.shard.src} -> {spec.shard.dst}" + (f" as {spec.shard.dtype}" if spec.shard.dtype else ""), flush=True)
     t0 = time.monotonic()
 
@@ -21,9 +26,12 @@ def main() -> None:
         write_metrics({**StepMetrics(step=p["files_done"], total_steps=p["files_total"]), **p})
         print(f"  {p['files_done']}/{p['files_total']} files", flush=True)
 
-    try:
-        result = shard_checkpoint(spec.shard.src, spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report,
+    try:  # a BFL/ComfyUI transformer file: converted into the model cache first (a block at a time)
+        source = shard_source(Path(spec.shard.src), None, model_cache(run_dir.parent.parent))
+        result = shard_checkpoint(str(source), spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report,
                                   overwrite=spec.shard.overwrite)
+    except RunnerInputError as exc:
+        fail(Reason.SETUP_FAILED, str(exc).replace("model.transformer: ", "shard.src: ", 1))
     except MemoryError as exc:
         fail(Reason.HOST_OOM, f"out of host memory while sharding: {exc}", code=1)
     except OffloadError as exc:  # a missing or corrupt checkpoint, a full disk: the user's to fix

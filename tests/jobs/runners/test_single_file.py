@@ -290,3 +290,40 @@ def test_the_spec_takes_a_transformer_file_and_names_the_field_of_each_mistake()
     spec = read_spec(REPO / "examples" / "train-flux.yaml",
                      ["model.path=null", "model.transformer=/m/flux1-dev.safetensors", "model.base=/m/FLUX.1-dev"])
     assert spec.model.path is None and spec.model.transformer == "/m/flux1-dev.safetensors"
+
+
+# ---------------------------------------------------------------------------------- offload-jobs shard
+
+
+def test_offload_jobs_shard_takes_a_bfl_file_and_streams_it_bitwise(tiny: dict[str, Path], files: dict[str, Path],
+                                                                   tmp_path: Path, monkeypatch) -> None:
+    """`offload-jobs shard flux1.safetensors DST`: converted (into the state dir's model cache), then
+    sharded; the engine streaming those shards gives the diffusers folder's output bitwise."""
+    from test_loading import _out
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+
+    monkeypatch.setenv("OFFLOAD_JOBS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("OFFLOAD_JOBS_MODEL_CACHE", raising=False)
+    res = CliRunner().invoke(app, ["shard", str(files["comfy"]), str(tmp_path / "shards"), "--base", str(tiny["flux"])])
+    assert res.exit_code == 0, res.output
+    assert "converting" in res.output and str(files["comfy"]) in res.output
+    converted = tmp_path / "home" / "models" / "converted"
+    assert len([p for p in converted.iterdir() if p.is_dir()]) == 1
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert "transformer_blocks.0" in index["units"] and "single_transformer_blocks.1" in index["units"]
+    cpu, adapter = torch.device("cpu"), get_adapter("flux")
+    disk = load_transformer(tiny["flux"], adapter, torch.float32, cpu,
+                            offload={"offload_granularity": "block", "lazy_load": True, "shard_dir": str(tmp_path / "shards")})
+    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload={"offload_granularity": "block"})
+    assert disk.stats()["host_store"] == "disk"
+    assert torch.equal(_out("flux", disk.model, torch.float32), _out("flux", ram.model, torch.float32))
+    disk.handle.remove()
+    ram.handle.remove()
+    # a file of no family we convert is sharded by its own names, as before: nothing converted
+    other = CliRunner().invoke(app, ["shard", str(_vae(tiny, files)), str(tmp_path / "vae-shards")])
+    assert other.exit_code == 0, other.output
+    assert "converting" not in other.output and len([p for p in converted.iterdir() if p.is_dir()]) == 1
