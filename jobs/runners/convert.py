@@ -4,15 +4,17 @@
                                         one safetensors file per block, cache.json (the marker, last)
 
 The normal loader (jobs.runners.load: the engine's arena, or the disk tier's shards) then reads the
-folder as it reads any diffusers transformer. The names are diffusers' own converter's
-(`diffusers.loaders.single_file_utils.convert_flux_transformer_checkpoint_to_diffusers`), applied to
-one block at a time: the block's tensors are read from the file (pread, page cache dropped:
+folder as it reads any diffusers transformer. The names are diffusers' own converters'
+(`diffusers.loaders.single_file_utils`: `convert_wan_transformer_to_diffusers`, names only, takes
+each block as it is; `convert_flux_transformer_checkpoint_to_diffusers`, below), applied to one
+block at a time. For Flux: the block's tensors are read from the file (pread, page cache dropped:
 `offload_core.disk.source`), renamed to block 0, and passed with meta-device stand-ins for the
 other tensors the converter pops; what comes back real is the block, renamed back and written to its
 own file. Host RAM holds one block (and the converter's copy of it), never the model. The fused
 tensors (BFL's qkv, linear1) are split on the way; the converter's one hard-coded width (Flux-dev's
 `inner_dim = 3072`, used to split `linear1`) is replaced by the detected width. The file's dtype is
-kept. The key is content-addressed as the shard cache's is (each file's path, size, mtime and
+kept. The written names must be exactly the diffusers model's (built on meta from the config):
+a tensor the converter passed through unknown, or one missing, is refused naming it. The key is content-addressed as the shard cache's is (each file's path, size, mtime and
 tensor headers, and the config); the lock, the `.partial` folder and the marker are that cache's.
 
 A job says what it did in events.jsonl: `runner.convert` (hit or miss, seconds, the entry).
@@ -43,9 +45,17 @@ __all__ = ["ConvertedTransformer", "converted_transformer", "converted_root", "t
 
 CONVERTER_VERSION = 1  # bump when the written folder changes for the same input
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
-FLUX_CLASS = "FluxTransformer2DModel"
+CLASSES = {"flux": "FluxTransformer2DModel", "wan": "WanTransformer3DModel"}
 # BFL block lists -> diffusers': the unit of conversion is one block of either list
 FLUX_BLOCKS = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
+WAN_HEAD_DIM = 128  # every released Wan 2.1 (1.3B: 12 heads, 14B: 40); its files do not say
+
+
+def _blocks(det: Detected) -> dict[str, str]:
+    """The file's block lists -> the diffusers model's."""
+    if det.family == "wan":
+        return {"blocks": "blocks"}
+    return FLUX_BLOCKS if det.layout != "diffusers" else {v: v for v in FLUX_BLOCKS.values()}
 
 
 def converted_root(model_cache: Path) -> Path:
@@ -74,10 +84,19 @@ def transformer_config(det: Detected, base_dir: Path | None) -> dict[str, Any]:
     conf = base_dir / "transformer" / "config.json" if base_dir is not None else None
     if conf is not None and conf.is_file():
         base = json.loads(conf.read_text(encoding="utf-8"))
-        if base.get("_class_name") not in (None, FLUX_CLASS):
+        if base.get("_class_name") not in (None, CLASSES[det.family]):
             raise CheckpointError(f"{FIELD}: {det.path} is a {det.family} transformer; the base's {conf} is a "
                                   f"{base.get('_class_name')}")
-    config = {**base, "_class_name": FLUX_CLASS, **det.config}
+    config = {**base, "_class_name": CLASSES[det.family], **det.config}
+    if det.family == "wan":
+        head = base.get("attention_head_dim")
+        if not head or det.width % head:
+            head = WAN_HEAD_DIM if det.width % WAN_HEAD_DIM == 0 else None
+        if head is None:
+            raise CheckpointError(f"{FIELD}: {det.path} is {det.width} wide, not a whole number of {WAN_HEAD_DIM}-wide "
+                                  "heads: give a model.base whose transformer/config.json has its attention_head_dim")
+        config.update(attention_head_dim=head, num_attention_heads=det.width // head)
+        return config
     head = config["attention_head_dim"]
     rope = base.get("axes_dims_rope")
     if not rope or sum(rope) != head:
@@ -176,6 +195,22 @@ def _dtype(code: str) -> torch.dtype:
     return _ST[code]
 
 
+def _check_names(det: Detected, config: dict[str, Any], written: set[str]) -> None:
+    """The converted names are exactly the diffusers model's (built on meta from `config`)."""
+    import accelerate
+    import diffusers
+
+    cls = getattr(diffusers, config["_class_name"])
+    with accelerate.init_empty_weights():
+        model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    want = set(model.state_dict())
+    missing, unknown = sorted(want - written), sorted(written - want)
+    if missing or unknown:
+        what = (f"lacks {len(missing)} tensor(s) the model has ({', '.join(missing[:3])})" if missing else
+                f"holds {len(unknown)} tensor(s) the model has not ({', '.join(unknown[:3])})")
+        raise CheckpointError(f"{FIELD}: {det.path} ({det.describe()}), converted to diffusers' names, {what}")
+
+
 def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[str], None]) -> int:
     """Every block converted and written into `partial`; returns the bytes written."""
     from safetensors.torch import save_file
@@ -185,18 +220,21 @@ def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[
 
     import diffusers
 
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
     names = list(det.names())
-    bfl = det.layout != "diffusers"
-    blocks = FLUX_BLOCKS if bfl else {v: v for v in FLUX_BLOCKS.values()}
-    convert = flux_converter(config["attention_head_dim"] * config["num_attention_heads"])
+    blocks = _blocks(det)
+    convert = flux_converter(det.width) if det.family == "flux" else None
     weight_map: dict[str, str] = {}
     total = 0
     pieces = list(_pieces(names, blocks))
     src = SafetensorsSource(det.files)
     try:
         for done, (lst, index, keys) in enumerate(pieces, 1):
-            if bfl:
+            if convert is not None and det.layout != "diffusers":
                 tensors = _flux_piece(det, src.read, lst, index, keys, convert)
+            elif det.layout == "native":  # Wan: names only, so the converter takes any part of the model
+                tensors = convert_wan_transformer_to_diffusers({n: src.read(det.prefix + n) for n in keys})
             else:
                 tensors = {n: src.read(det.prefix + n) for n in keys}
             fname = f"{done:05d}-{(blocks[lst] + '.' + str(index)) if lst else 'non_block'}.safetensors"
@@ -214,6 +252,7 @@ def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[
                               f"{exc})") from None
     finally:
         src.close()
+    _check_names(det, config, set(weight_map))
     (partial / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (partial / "config.json").write_text(json.dumps({**config, "_diffusers_version": diffusers.__version__}, indent=2))
     return total
@@ -222,7 +261,7 @@ def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[
 def converted_transformer(det: Detected, base_dir: Path | None, root: Path,
                           say: Callable[[str], None] = print) -> ConvertedTransformer:
     """The diffusers transformer folder of the checkpoint `det`, from the cache under `root`, or converted now (once)."""
-    if det.family != "flux":
+    if det.family not in CLASSES:
         raise CheckpointError(f"{FIELD}: {det.path}: converting {det.family} files is not supported yet")
     config = transformer_config(det, base_dir)
     key = convert_key(det, config)

@@ -5,7 +5,8 @@ folder of shards) and says, from the tensors' names and shapes:
 - the layout: `bfl` (Black Forest Labs' original names, `double_blocks.N.img_attn.qkv.weight`, fused
   qkv), `comfy` (the same names under a prefix, `model.diffusion_model.` when saved from a whole
   ComfyUI checkpoint; any prefix is taken), or `diffusers` (`transformer_blocks.N.attn.to_q.weight`);
-- the family and variant (Flux dev has the guidance embedder, schnell has none);
+  for Wan 2.1, `native` (Wan-AI's and Comfy-Org's `blocks.N.self_attn.q.weight`, any prefix) or `diffusers`;
+- the family and variant (Flux dev has the guidance embedder, schnell has none; Wan by its width);
 - the diffusers config the weights fit (block counts, width, heads from the qk-norm's width, text
   and pooled widths, input channels), which `jobs.runners.convert` writes beside the converted blocks.
 
@@ -33,12 +34,13 @@ BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I
 
 # (family, layout): a key that only that layout of that family has, as the block-0 tensor it is.
 MARKERS = {("flux", "bfl"): "double_blocks.0.img_attn.qkv.weight",
-           ("flux", "diffusers"): "single_transformer_blocks.0.attn.to_q.weight"}
+           ("flux", "diffusers"): "single_transformer_blocks.0.attn.to_q.weight",
+           ("wan", "native"): "blocks.0.self_attn.q.weight",  # Wan-AI's and Comfy-Org's repackaged files
+           ("wan", "diffusers"): "blocks.0.attn1.to_q.weight"}
 # What a refused file is, when it is not a transformer at all: (key suffix, what it is)
 NOT_A_TRANSFORMER = [("decoder.conv_in.weight", "a VAE (encoder/decoder tensors)"),
                      ("text_model.encoder.layers.0.self_attn.q_proj.weight", "a CLIP text encoder"),
                      ("encoder.block.0.layer.0.SelfAttention.q.weight", "a T5 text encoder"),
-                     ("blocks.0.self_attn.q.weight", "a Wan transformer (not supported as a file yet)"),
                      ("transformer_blocks.0.img_mlp.net.0.proj.weight", "a Qwen-Image transformer (not supported "
                                                                          "as a file yet)")]
 # A real Flux head is 128 wide; its rotary axes then split it 16 + 56 + 56.
@@ -64,10 +66,11 @@ class Detected:
     path: Path
     files: list[Path]
     family: str
-    layout: str  # bfl, comfy (bfl names under a prefix) or diffusers
+    layout: str  # Flux: bfl, comfy (bfl names under a prefix) or diffusers; Wan: native or diffusers
     prefix: str
     variant: str  # dev or schnell (Flux)
     config: dict[str, Any]  # the diffusers config keys the weights decide
+    width: int = 0  # the model's hidden size (Wan's head count is not in its tensors: the base's config says it)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)  # the transformer's, by their names in the file
     ignored: int = 0  # tensors outside the prefix (a whole checkpoint's VAE and text encoders)
 
@@ -86,9 +89,9 @@ class Detected:
 
     def describe(self) -> str:
         c = self.config
+        blocks = f"{c['num_layers']}" + (f"+{c['num_single_layers']}" if "num_single_layers" in c else "")
         return (f"{self.family} {self.variant}, {self.layout} layout" + (f" (prefix {self.prefix!r})" if self.prefix else "")
-                + f", {c['num_layers']}+{c['num_single_layers']} blocks, width {c['num_attention_heads']}x"
-                f"{c['attention_head_dim']}, {'/'.join(self.dtypes)}, {self.weight_bytes / 1e9:.2f} GB")
+                + f", {blocks} blocks, width {self.width}, {'/'.join(self.dtypes)}, {self.weight_bytes / 1e9:.2f} GB")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -178,6 +181,27 @@ def _flux_config(names: dict[str, TensorInfo], layout: str, where: Path) -> dict
     return config
 
 
+def _wan_config(names: dict[str, TensorInfo], layout: str, where: Path) -> dict[str, Any]:
+    native = layout == "native"
+    keys = dict(text="text_embedding.0.weight", time="time_embedding.0.weight", ffn="blocks.0.ffn.0.weight",
+                out="head.head.weight", norm="blocks.0.norm3.weight", qk="blocks.0.self_attn.norm_q.weight",
+                img="img_emb.proj.1.weight") if native else dict(
+        text="condition_embedder.text_embedder.linear_1.weight", time="condition_embedder.time_embedder.linear_1.weight",
+        ffn="blocks.0.ffn.net.0.proj.weight", out="proj_out.weight", norm="blocks.0.norm2.weight",
+        qk="blocks.0.attn1.norm_q.weight", img="condition_embedder.image_embedder.ff.net.0.proj.weight")
+    if keys["img"] in names:
+        raise CheckpointError(f"{FIELD}: {where} is a Wan image-to-video transformer; only text-to-video files "
+                              "are read yet")
+    patch = _shape(names, "patch_embedding.weight", where)
+    if len(patch) != 5:
+        raise CheckpointError(f"{FIELD}: {where}: patch_embedding.weight has shape {list(patch)}, not a 3-D conv's")
+    cells = patch[2] * patch[3] * patch[4]
+    return {"in_channels": patch[1], "patch_size": list(patch[2:]), "num_layers": _count(names, "blocks"),
+            "out_channels": _shape(names, keys["out"], where)[0] // cells, "text_dim": _shape(names, keys["text"], where)[1],
+            "freq_dim": _shape(names, keys["time"], where)[1], "ffn_dim": _shape(names, keys["ffn"], where)[0],
+            "cross_attn_norm": keys["norm"] in names, "qk_norm": "rms_norm_across_heads" if keys["qk"] in names else None}
+
+
 def _refuse_unknown(path: Path, tensors: dict[str, TensorInfo]) -> None:
     keys = list(tensors)
     for suffix, what in NOT_A_TRANSFORMER:
@@ -202,9 +226,14 @@ def detect_checkpoint(path: str | Path) -> Detected:
             continue
         mine = {k: t for k, t in tensors.items() if k.startswith(prefix)}
         names = {k[len(prefix):]: t for k, t in mine.items()}
+        if family == "wan":
+            config = _wan_config(names, layout, p)
+            width = names["patch_embedding.weight"].shape[0]
+            variant = f"t2v {'14B' if width >= 5120 else '1.3B' if width == 1536 else f'width {width}'}"
+            return Detected(p, files, family, layout, prefix, variant, config, width, mine, len(tensors) - len(mine))
         config = _flux_config(names, layout, p)
         shown = "comfy" if layout == "bfl" and prefix else layout
         return Detected(p, files, family, shown, prefix, "dev" if config["guidance_embeds"] else "schnell", config,
-                        mine, ignored=len(tensors) - len(mine))
+                        config["attention_head_dim"] * config["num_attention_heads"], mine, ignored=len(tensors) - len(mine))
     _refuse_unknown(p, tensors)
     raise AssertionError("unreachable")  # pragma: no cover

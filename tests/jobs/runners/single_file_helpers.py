@@ -92,3 +92,41 @@ def write_bfl(transformer_dir: Path, dst: Path, prefix: str = "", extra: dict[st
     dst.parent.mkdir(parents=True, exist_ok=True)
     save_file(bfl, str(dst))
     return dst
+
+
+# Wan 2.1: diffusers name part -> the native (Wan-AI / Comfy-Org) one, applied in this order
+_WAN_NATIVE = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."), (".to_out.0.", ".o."), (".to_q.", ".q."),
+    (".to_k.", ".k."), (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), (".norm2.", ".norm3."),
+]
+
+
+def to_wan_native(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers Wan 2.1 transformer state dict in the native names (the inverse of diffusers' renames)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k == "scale_shift_table":
+            n = "head.modulation"
+        elif k.startswith("proj_out."):
+            n = "head.head." + k.split(".", 1)[1]
+        else:
+            n = re.sub(r"^(blocks\.\d+\.)scale_shift_table$", r"\1modulation", k)
+            for a, b in _WAN_NATIVE:
+                n = n.replace(a, b)
+        assert n not in out, n
+        out[n] = v.contiguous()
+    return out
+
+
+def write_wan_native(transformer_dir: Path, dst: Path, prefix: str = "") -> Path:
+    from safetensors.torch import save_file
+
+    native = {prefix + k: v for k, v in to_wan_native(diffusers_state(transformer_dir)).items()}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    save_file(native, str(dst))
+    return dst

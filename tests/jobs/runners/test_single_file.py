@@ -1,10 +1,12 @@
-"""`model.transformer`: a Flux checkpoint in the BFL or ComfyUI layout, converted once, block by block.
+"""`model.transformer`: a Flux checkpoint in the BFL or ComfyUI layout, or a Wan 2.1 one in its native
+(Comfy-Org) names, converted once, block by block.
 
-The files are the tiny Flux's transformer written back with the inverse of diffusers' converter
-(single_file_helpers, ours). Detection reads the header alone; the conversion (diffusers' own
+The files are the tiny Flux's and Wan's transformers written back with the inverse of diffusers'
+converters (single_file_helpers, ours). Detection reads the header alone; the conversion (diffusers' own
 converter, one block at a time) gives bitwise the diffusers folder's tensors in the file's dtype,
 and a second conversion is a cache hit. Through a real worker, a train and an infer job from each
-layout SUCCEED, and the infer images are byte for byte the ones from the diffusers folder. Bad files
+layout SUCCEED, and the infer images (Wan: frames and GIF) are byte for byte the ones from the
+diffusers folder. Bad files
 (truncated, no known family, a VAE) are refused at submit naming the file; a file whose header
 looks right but whose blocks the converter does not know fails the job (setup_failed). Host RAM
 while converting a ~1 GB checkpoint stays under 1.05x its weights (VmHWM in a child process).
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from runner_helpers import events, infer_spec, log, run_dir, run_job, train_spec
-from single_file_helpers import COMFY, diffusers_state, to_bfl, write_bfl
+from single_file_helpers import COMFY, diffusers_state, to_bfl, write_bfl, write_wan_native
 
 from jobs.errors import SpecError
 from jobs.runners.convert import converted_transformer
@@ -34,9 +36,15 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def files(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("single")
-    t = tiny["flux"] / "transformer"
+    t, w = tiny["flux"] / "transformer", tiny["wan"] / "transformer"
     return {"bfl": write_bfl(t, root / "flux1-tiny.safetensors"),
-            "comfy": write_bfl(t, root / "flux1-tiny-comfy.safetensors", prefix=COMFY), "root": root}
+            "comfy": write_bfl(t, root / "flux1-tiny-comfy.safetensors", prefix=COMFY),
+            "wan-native": write_wan_native(w, root / "wan2.1_t2v_tiny.safetensors"),
+            "wan-comfy": write_wan_native(w, root / "wan2.1_t2v_tiny-comfy.safetensors", prefix=COMFY), "root": root}
+
+
+# (family, file) -> the layout detection reports
+CASES = {("flux", "bfl"): "bfl", ("flux", "comfy"): "comfy", ("wan", "wan-native"): "native", ("wan", "wan-comfy"): "native"}
 
 
 def _tiny_config(tiny: dict[str, Path]) -> dict:
@@ -69,19 +77,21 @@ def test_no_guidance_embedder_reads_as_schnell(tiny: dict[str, Path], tmp_path: 
 # ---------------------------------------------------------------------------------- conversion
 
 
-@pytest.mark.parametrize("layout", ["bfl", "comfy"])
+@pytest.mark.parametrize("family,name", list(CASES))
 def test_conversion_is_the_diffusers_weights_bitwise_and_cached(tiny: dict[str, Path], files: dict[str, Path],
-                                                                 tmp_path: Path, layout: str) -> None:
-    det = detect_checkpoint(files[layout])
-    got = converted_transformer(det, tiny["flux"], tmp_path / "converted", say=lambda _: None)
+                                                                 tmp_path: Path, family: str, name: str) -> None:
+    det = detect_checkpoint(files[name])
+    assert (det.family, det.layout, det.prefix) == (family, CASES[family, name], COMFY if "comfy" in name else "")
+    got = converted_transformer(det, tiny[family], tmp_path / "converted", say=lambda _: None)
     assert not got.hit and got.written_bytes == det.weight_bytes
-    ref, mine = diffusers_state(tiny["flux"] / "transformer"), diffusers_state(got.path)
+    ref, mine = diffusers_state(tiny[family] / "transformer"), diffusers_state(got.path)
     assert mine.keys() == ref.keys()
     for k in ref:
         assert mine[k].dtype == ref[k].dtype and torch.equal(mine[k], ref[k]), k
     config = json.loads((got.path / "config.json").read_text())
-    assert {k: config[k] for k in det.config} == {k: _tiny_config(tiny)[k] for k in det.config}
-    again = converted_transformer(det, tiny["flux"], tmp_path / "converted", say=lambda _: None)
+    want = json.loads((tiny[family] / "transformer" / "config.json").read_text())
+    assert {k: config[k] for k in want if not k.startswith("_")} == {k: v for k, v in want.items() if not k.startswith("_")}
+    again = converted_transformer(det, tiny[family], tmp_path / "converted", say=lambda _: None)
     assert again.hit and again.path == got.path and again.written_bytes == 0
 
 
@@ -138,39 +148,43 @@ def test_bad_files_are_one_line_naming_the_file(tiny: dict[str, Path], files: di
 # ---------------------------------------------------------------------------------- through the worker
 
 
-def _single(spec: dict, path: Path, tiny: dict[str, Path]) -> dict:
-    spec["model"] = {"path": None, "transformer": str(path), "base": str(tiny["flux"])}
+def _single(spec: dict, path: Path, tiny: dict[str, Path], family: str = "flux") -> dict:
+    spec["model"] = {"path": None, "transformer": str(path), "base": str(tiny[family])}
     return spec
 
 
-def _image(job: dict) -> bytes:
-    return (run_dir(job) / "outputs" / "image_000.png").read_bytes()
+def _pictures(job: dict) -> dict[str, bytes]:
+    """Every image and video file an infer job wrote (Wan: frames and a GIF), by its path in outputs/."""
+    out = run_dir(job) / "outputs"
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix in (".png", ".gif")}
 
 
 @pytest.fixture(scope="module")
 def jobs(worker, tiny: dict[str, Path], files: dict[str, Path]) -> dict[str, dict]:
-    """A train and an infer job from each layout, and the infer job from the diffusers folder (one worker)."""
+    """A train and an infer job from each file, and the infer job from each diffusers folder (one worker)."""
     out = {}
     with worker.client() as c:
-        for layout in ("bfl", "comfy"):
-            out[f"train-{layout}"] = run_job(c, _single(train_spec(tiny, "flux", steps=2, save_every=None),
-                                                        files[layout], tiny))
-            out[f"infer-{layout}"] = run_job(c, _single(infer_spec(tiny, "flux", prompt="a red square", steps=2),
-                                                        files[layout], tiny))
-        out["infer-folder"] = run_job(c, infer_spec(tiny, "flux", prompt="a red square", steps=2))
+        for family, name in CASES:
+            train = train_spec(tiny, family, steps=2, save_every=None)
+            out[f"train-{name}"] = run_job(c, _single(train, files[name], tiny, family))
+            infer = infer_spec(tiny, family, prompt="a red square", steps=2)
+            out[f"infer-{name}"] = run_job(c, _single(infer, files[name], tiny, family))
+        for family in ("flux", "wan"):
+            out[f"infer-folder-{family}"] = run_job(c, infer_spec(tiny, family, prompt="a red square", steps=2))
     return out
 
 
-@pytest.mark.parametrize("layout", ["bfl", "comfy"])
-def test_train_and_infer_from_a_file_succeed_and_render_the_folders_image(jobs: dict[str, dict], layout: str) -> None:
-    train, infer = jobs[f"train-{layout}"], jobs[f"infer-{layout}"]
-    for job in (train, infer, jobs["infer-folder"]):
+@pytest.mark.parametrize("family,name", list(CASES))
+def test_train_and_infer_from_a_file_succeed_and_render_the_folders_image(jobs: dict[str, dict], family: str,
+                                                                          name: str) -> None:
+    train, infer, folder = jobs[f"train-{name}"], jobs[f"infer-{name}"], jobs[f"infer-folder-{family}"]
+    for job in (train, infer, folder):
         assert job["status"] == "SUCCEEDED", log(job)[-3000:]
     first = events(train, "runner.convert")
-    assert len(first) == 1 and first[0]["result"] == "miss" and first[0]["layout"] == layout
+    assert len(first) == 1 and first[0]["result"] == "miss" and first[0]["layout"] == CASES[family, name]
     later = events(infer, "runner.convert")
     assert len(later) == 1 and later[0]["result"] == "hit" and later[0]["path"] == first[0]["path"]
-    assert _image(infer) == _image(jobs["infer-folder"])
+    assert _pictures(infer) and _pictures(infer) == _pictures(folder)
     assert (run_dir(train) / "outputs" / "lora.safetensors").is_file()
 
 
@@ -327,3 +341,14 @@ def test_offload_jobs_shard_takes_a_bfl_file_and_streams_it_bitwise(tiny: dict[s
     other = CliRunner().invoke(app, ["shard", str(_vae(tiny, files)), str(tmp_path / "vae-shards")])
     assert other.exit_code == 0, other.output
     assert "converting" not in other.output and len([p for p in converted.iterdir() if p.is_dir()]) == 1
+
+
+def test_wan_heads_come_from_the_base_or_are_refused_by_name(files: dict[str, Path], tiny: dict[str, Path]) -> None:
+    from jobs.runners.convert import transformer_config
+
+    det = detect_checkpoint(files["wan-native"])  # 24 wide: the file cannot say 2 heads of 12
+    config = transformer_config(det, tiny["wan"])
+    assert (config["num_attention_heads"], config["attention_head_dim"]) == (2, 12)
+    with pytest.raises(CheckpointError) as err:
+        transformer_config(det, None)
+    assert str(files["wan-native"]) in str(err.value) and "attention_head_dim" in str(err.value)
