@@ -352,3 +352,27 @@ def test_wan_heads_come_from_the_base_or_are_refused_by_name(files: dict[str, Pa
     with pytest.raises(CheckpointError) as err:
         transformer_config(det, None)
     assert str(files["wan-native"]) in str(err.value) and "attention_head_dim" in str(err.value)
+
+
+def test_a_diffusers_named_transformer_is_taken_as_it_is_or_converted_from_a_prefix(tiny: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    """A diffusers transformer folder (config.json beside it) is read in place; one file of diffusers
+    names under a prefix is renamed (no converter) into the cache, bitwise."""
+    from safetensors.torch import save_file
+
+    from jobs.runners.convert import transformer_folder
+
+    run = tmp_path / "home" / "runs" / "job1"
+    run.mkdir(parents=True)
+    folder = tiny["flux"] / "transformer"
+    assert transformer_folder(tiny["flux"], folder, run, say=lambda _: None) == folder
+    assert not (run / "events.jsonl").exists()
+    ref = diffusers_state(folder)
+    save_file({"transformer." + k: v for k, v in ref.items()}, str(tmp_path / "prefixed.safetensors"))
+    det = detect_checkpoint(tmp_path / "prefixed.safetensors")
+    assert (det.layout, det.prefix) == ("diffusers", "transformer.")
+    got = transformer_folder(tiny["flux"], tmp_path / "prefixed.safetensors", run, say=lambda _: None)
+    assert got.parent == tmp_path / "home" / "models" / "converted"
+    mine = diffusers_state(got)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert json.loads((run / "events.jsonl").read_text())["type"] == "runner.convert"
