@@ -79,11 +79,12 @@ def hub_token() -> str | None:
     return None
 
 
-def _needed(index: dict[str, Any]) -> list[str]:
-    """allow_patterns: model_index.json and every component folder it names (a null entry is absent)."""
+def _needed(index: dict[str, Any], configs_only: tuple[str, ...] = ()) -> list[str]:
+    """allow_patterns: model_index.json and every component folder it names (a null entry is absent);
+    of the parts in `configs_only` (a transformer given as its own file) only their config.json."""
     parts = sorted(k for k, v in index.items()
                    if not k.startswith("_") and isinstance(v, list) and v and v[0] is not None)
-    return ["model_index.json", *(f"{p}/*" for p in parts)]
+    return ["model_index.json", *(f"{p}/config.json" if p in configs_only else f"{p}/*" for p in parts)]
 
 
 @dataclass
@@ -147,7 +148,7 @@ def _missing(ref: HubRef, cache: Path) -> str:
     return "nothing"
 
 
-def _cached_snapshot(ref: HubRef, cache: Path) -> Path:
+def _cached_snapshot(ref: HubRef, cache: Path, configs_only: tuple[str, ...] = ()) -> Path:
     """The cached snapshot of `ref` with every file a pipeline loads, found without the network.
 
     Raises HubError saying what is missing: the snapshot, model_index.json, component folders, or
@@ -159,10 +160,10 @@ def _cached_snapshot(ref: HubRef, cache: Path) -> Path:
     if not snap.is_dir():
         raise HubError(f"no snapshot of {ref} in {cache}")
     try:
-        patterns = _needed(json.loads((snap / "model_index.json").read_text(encoding="utf-8")))
+        patterns = _needed(json.loads((snap / "model_index.json").read_text(encoding="utf-8")), configs_only)
     except (OSError, ValueError):
         raise HubError(f"{snap} has no readable model_index.json") from None
-    absent = [p.removesuffix("/*") for p in patterns[1:] if not (snap / p.removesuffix("/*")).is_dir()]
+    absent = [p.removesuffix("/*") for p in patterns[1:] if not (snap / p.removesuffix("/*")).exists()]
     try:
         listed = json.loads((storage / "trees" / f"{commit}.json").read_text(encoding="utf-8")).get("files") or {}
     except (OSError, ValueError, AttributeError):
@@ -188,13 +189,13 @@ def _index(ref: HubRef, cache: Path, token: str | None) -> dict[str, Any]:
         raise HubError(f"model.path: {ref}'s model_index.json is not JSON ({exc}); a diffusers repo is expected") from None
 
 
-def plan_fetch(ref: HubRef, cache: Path) -> FetchPlan:
+def plan_fetch(ref: HubRef, cache: Path, configs_only: tuple[str, ...] = ()) -> FetchPlan:
     """Which files `ref` needs, their sizes and which are cached already (asks the hub; fetches only model_index.json)."""
     from huggingface_hub import snapshot_download
 
     token = hub_token()
     try:
-        patterns = _needed(_index(ref, cache, token))
+        patterns = _needed(_index(ref, cache, token), configs_only)
         infos = snapshot_download(ref.repo, revision=ref.revision, cache_dir=str(cache), token=token,
                                   allow_patterns=patterns, ignore_patterns=_IGNORE, dry_run=True, tqdm_class=_Progress)
     except HubError:
@@ -239,8 +240,9 @@ class _Progress:
 
 
 def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
-                event: Callable[..., None] | None = None) -> Path:
-    """The local snapshot folder of `ref`, fetched into `cache` (only the files a pipeline loads).
+                event: Callable[..., None] | None = None, configs_only: tuple[str, ...] = ()) -> Path:
+    """The local snapshot folder of `ref`, fetched into `cache` (only the files a pipeline loads; of
+    the parts in `configs_only`, only their config.json).
 
     `say(line)` gets progress lines (the job's log), `event(type, **data)` a start and an end record.
     Raises HubError with one line when the model cannot be had."""
@@ -253,13 +255,13 @@ def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
     try:
         if offline:
             try:
-                folder = _cached_snapshot(ref, cache)
+                folder = _cached_snapshot(ref, cache, configs_only)
             except HubError as exc:
                 raise HubError(f"model.path: {ref} is not complete in the model cache and HF_HUB_OFFLINE=1: {exc}; "
                                f"run `offload-jobs pull {ref}` where the hub can be reached") from None
             say(f"model {ref}: using the cached snapshot {folder} (HF_HUB_OFFLINE=1)")
             return folder
-        plan = plan_fetch(ref, cache)
+        plan = plan_fetch(ref, cache, configs_only)
         free = shutil.disk_usage(cache).free
         if plan.to_fetch > free:
             raise HubError(f"model.path: {ref} needs {plan.to_fetch / 1e9:.2f} GB more in {cache}, "
@@ -283,7 +285,7 @@ def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
     except Exception as exc:
         if _unreachable(exc):  # no network: the cache, if it holds the whole model
             try:
-                folder = _cached_snapshot(ref, cache)
+                folder = _cached_snapshot(ref, cache, configs_only)
             except HubError:
                 raise _explain(exc, ref, cache) from None
             say(f"model {ref}: the hub cannot be reached; using the cached snapshot {folder}")
@@ -296,8 +298,10 @@ def fetch_model(ref: HubRef, cache: Path, *, say: Callable[[str], None] = print,
     return Path(folder)
 
 
-def resolve_model_path(value: str | None, run_dir: str | os.PathLike[str] | None = None) -> str | None:
-    """In a job: `model.path` as a local folder, a hub id fetched first into the worker's model cache.
+def resolve_model_path(value: str | None, run_dir: str | os.PathLike[str] | None = None,
+                       configs_only: tuple[str, ...] = ()) -> str | None:
+    """In a job: `model.path` as a local folder, a hub id fetched first into the worker's model cache
+    (of the parts in `configs_only`, only their config.json: a `model.base` whose transformer is a file).
 
     The run dir (`<state>/runs/<id>`) names the state dir whose cache is used, and gets the events."""
     ref = parse_hub_id(value)
@@ -316,7 +320,7 @@ def resolve_model_path(value: str | None, run_dir: str | os.PathLike[str] | None
         emit_event(run, type, **data)
 
     folder = fetch_model(ref, model_cache(home), say=lambda line: print(f"[offload-jobs] {line}", flush=True),
-                         event=event)
+                         event=event, configs_only=configs_only)
     _check_readable(folder)
     return str(folder)
 

@@ -41,7 +41,9 @@ def _model(spec: JobSpec) -> tuple[str, Path, Path | None]:
 
     m = spec.model
     field = "model.base" if m.transformer is not None and m.base else "model.path"
-    path = resolve_model_path(m.base or m.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"))  # a hub id: fetched here
+    skip = ("transformer",) if m.transformer is not None else ()  # its weights come from model.transformer
+    # a hub id: fetched here
+    path = resolve_model_path(m.base or m.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"), configs_only=skip)
     model_dir = Path(path or "").expanduser().resolve()  # relative paths: from the job's workdir
     family = detect_family(model_dir, m.family, field=field)
     if m.transformer is None:

@@ -121,3 +121,26 @@ def test_a_gated_model_needs_the_token_and_never_shows_it(hub, tiny: dict[str, P
             assert SECRET not in text, f"the token is in {where}"
     finally:
         w.stop()
+
+
+def test_a_hub_base_for_a_transformer_file_fetches_no_transformer_weights(hub, tiny: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """`model.base: org/name` with `model.transformer` a file: the base's transformer/ gives only its
+    config.json (the weights come from the file), every other part is fetched as before."""
+    from single_file_helpers import write_bfl
+
+    server, needed = hub
+    bfl = write_bfl(tiny["flux"] / "transformer", tmp_path / "flux1-tiny-bfl.safetensors")
+    spec = _hub_spec(tiny, "some-org/tiny-flux")
+    spec["model"] = {"path": None, "base": "some-org/tiny-flux", "transformer": str(bfl)}
+    w = _worker(tmp_path, server)
+    try:
+        with w.client() as c:
+            server.fetched.clear()
+            job = c.wait(c.submit(spec)["id"], timeout=300)
+    finally:
+        w.stop()
+    assert job["status"] == "SUCCEEDED", (job.get("message"), log(job)[-3000:])
+    fetched = sorted(f for _, f, _ in server.fetched)
+    assert fetched == [f for f in needed if not f.startswith("transformer/") or f == "transformer/config.json"]
+    assert events(job, "runner.convert")[0]["result"] == "miss"
