@@ -198,6 +198,10 @@ def test_a_bad_file_is_refused_at_submit_naming_it(worker, tiny: dict[str, Path]
         with pytest.raises(SpecError) as err:
             c.submit(_single(infer_spec(tiny, "flux"), files["root"] / "nowhere.safetensors", tiny))
         assert err.value.field == "model.transformer" and "does not exist" in str(err.value)
+        with pytest.raises(SpecError) as err:  # a Wan file on a Flux base
+            c.submit(_single(infer_spec(tiny, "flux"), files["wan-native"], tiny))
+        assert err.value.field == "model.transformer" and "is a wan transformer" in str(err.value)
+        assert str(tiny["flux"]) in str(err.value)
 
 
 def test_a_file_the_converter_cannot_read_fails_the_job_naming_it(worker, tiny: dict[str, Path],
@@ -241,7 +245,7 @@ free_host_memory()
 loaded = load_transformer(got.path, get_adapter("flux"), torch.float32, torch.device("cpu"),
                           offload={"offload_granularity": "block"}, transformer_dir=got.path)
 print(json.dumps({"before": before, "converted": converted, "loaded": status("VmHWM"), "weights": det.weight_bytes,
-                  "hit": got.hit, "engine_weight_bytes": loaded.weight_bytes}))
+                  "hit": got.hit, "engine_weight_bytes": loaded.weight_bytes, "seconds": got.seconds}))
 """
 
 
@@ -277,7 +281,7 @@ def test_converting_a_1gb_checkpoint_holds_under_1_05x_its_weights(tmp_path: Pat
     converting, loading = got["converted"] - got["before"], got["loaded"] - got["before"]
     print(f"{weights / 1e9:.2f} GB of weights: peak RSS above the baseline {converting / 1e6:.0f} MB converting "
           f"({converting / weights:.3f}x), {loading / 1e6:.0f} MB converting then loading into the engine "
-          f"({loading / weights:.3f}x)")
+          f"({loading / weights:.3f}x); converted in {got['seconds']:.1f} s")
     assert not got["hit"] and got["weights"] == weights == got["engine_weight_bytes"]
     assert converting <= 0.25 * weights  # a block at a time, never the model
     assert loading <= 1.05 * weights
