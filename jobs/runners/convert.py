@@ -14,8 +14,9 @@ own file. Host RAM holds one block (and the converter's copy of it), never the m
 tensors (BFL's qkv, linear1) are split on the way; the converter's one hard-coded width (Flux-dev's
 `inner_dim = 3072`, used to split `linear1`) is replaced by the detected width. The file's dtype is
 kept. The written names must be exactly the diffusers model's (built on meta from the config):
-a tensor the converter passed through unknown, or one missing, is refused naming it. The key is content-addressed as the shard cache's is (each file's path, size, mtime and
-tensor headers, and the config); the lock, the `.partial` folder and the marker are that cache's.
+a tensor the converter passed through unknown, or one missing, is refused naming it. The key is
+content-addressed as the shard cache's is (each file's path, size, mtime and tensor headers, the
+config and the diffusers version); the lock, the `.partial` folder and the marker are that cache's.
 
 A job says what it did in events.jsonl: `runner.convert` (hit or miss, seconds, the entry).
 """
@@ -213,14 +214,12 @@ def _check_names(det: Detected, config: dict[str, Any], written: set[str]) -> No
 
 def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[str], None]) -> int:
     """Every block converted and written into `partial`; returns the bytes written."""
+    import diffusers
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     from safetensors.torch import save_file
 
     from offload_core.disk.source import SafetensorsSource
     from offload_core.errors import OffloadError
-
-    import diffusers
-
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     names = list(det.names())
     blocks = _blocks(det)
@@ -245,6 +244,8 @@ def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[
             del tensors
             if done == len(pieces) or done % max(1, len(pieces) // 10) == 0:
                 say(f"  converted {done}/{len(pieces)} blocks")
+    except CheckpointError:
+        raise
     except OffloadError as exc:  # a file cut short after its header was read, an I/O error: named
         raise CheckpointError(f"{FIELD}: {exc}") from None
     except (KeyError, ValueError, RuntimeError) as exc:  # the converter met a tensor it did not expect
@@ -285,7 +286,11 @@ def converted_transformer(det: Detected, base_dir: Path | None, root: Path,
                                   f"which has {free / 2**30:.1f} GiB free; free space or set OFFLOAD_JOBS_MODEL_CACHE")
         say(f"converting {det.path} ({det.describe()}) into the model cache, once: {entry}")
         t0 = time.monotonic()
-        out.written_bytes = _write(det, partial, config, say)
+        try:
+            out.written_bytes = _write(det, partial, config, say)
+        except CheckpointError:
+            shutil.rmtree(partial, ignore_errors=True)  # the user's file is at fault: keep no half of it
+            raise
         publish_entry(partial, entry, {"key": key, "source": str(det.path), "layout": det.layout,
                                        "bytes": out.written_bytes, "created": time.time()})
         out.seconds = time.monotonic() - t0

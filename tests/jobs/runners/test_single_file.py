@@ -212,7 +212,12 @@ def test_a_file_the_converter_cannot_read_fails_the_job_naming_it(worker, tiny: 
     with worker.client() as c:
         job = run_job(c, _single(infer_spec(tiny, "flux", prompt="a", steps=1), path, tiny))
     assert job["status"] == "FAILED" and job["reason"] == "setup_failed", job
-    assert str(path) in log(job) and "double_blocks.1.img_attn.extra.weight" in log(job)
+    message = job["message"]
+    assert message.startswith("model.transformer: ") and message.count("model.transformer") == 1, message
+    assert str(path) in message and "double_blocks.1.img_attn.extra.weight" in message and "\n" not in message
+    assert "Traceback" not in log(job)
+    converted = run_dir(job).parent.parent / "models" / "converted"
+    assert converted.is_dir() and not list(converted.glob("*.partial"))  # no half of the conversion is kept
 
 
 # ---------------------------------------------------------------------------------- host RAM
