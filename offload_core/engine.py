@@ -113,7 +113,7 @@ class OffloadEngine:
             offload_ratio=config.offload_ratio, vram_budget=config.vram_budget, depth=depth)
         for uid in residency.resident:
             self.units[uid].streamed = False
-        self.prediction: dict[str, Any] = dict(residency.info)
+        self.prediction: dict[str, Any] = dict(residency.info, granularity=self.layout.granularity)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
         self.lossy = assign_storage(self.streamed, config.weight_dtype)
 
