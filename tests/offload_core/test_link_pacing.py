@@ -118,3 +118,19 @@ def test_disk_store_is_paced_and_bitwise(tmp_path: Path) -> None:
     assert st["disk_reads"] > 0  # a disk store (its stats carry no host_store key yet)
     _paced_stats(st)
     h.remove()
+
+
+def test_without_the_option_no_pacing_code_is_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decided once at setup: an engine without debug_link_gbps copies with the plain functions."""
+    from offload_core.transfer import Transfer
+
+    monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
+    for extra in ({}, {"pinned_limit": "16KiB"}):
+        h = enable_offload(CASES["flux"].build("frozen"), target_device="cpu", offload_granularity="block", **extra)
+        t = h.engine.transfer
+        assert t.pacer is None and t._copy_in is Transfer._copy_in
+        if extra:
+            assert h.engine.store.ring.hold is bounce._no_hold
+        else:
+            assert t._h2d_copy.__func__ is Transfer._h2d_copy
+        h.remove()
