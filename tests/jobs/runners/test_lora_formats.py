@@ -113,6 +113,27 @@ def test_flux_kohya_and_comfy_files_give_the_diffusers_output_bitwise(tiny: dict
         assert torch.equal(got, want), (name, (got - want).abs().max())
 
 
+def test_flux_top_level_and_final_layer_kohya_names_and_text_encoder_tensors(tiny: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """img_in, time_in and the final layer (its adaLN halves swapped, BFL order) in kohya names give the
+    diffusers file's output bitwise; a text encoder's tensors in the same file are counted, not applied."""
+    model = _trained(tiny, "flux", targets=["proj_out", "norm_out.linear", "x_embedder", "context_embedder",
+                                            "time_text_embed.timestep_embedder.linear_1"])
+    ours = _write(model, "flux", "diffusers", tmp_path / "diffusers.safetensors")
+    kohya = load_file(str(_write(model, "flux", "kohya", tmp_path / "kohya.safetensors")))
+    assert {"lora_unet_final_layer_adaLN_modulation_1.lora_up.weight", "lora_unet_final_layer_linear.alpha",
+            "lora_unet_img_in.lora_down.weight", "lora_unet_txt_in.alpha", "lora_unet_time_in_in_layer.lora_up.weight",
+            "lora_unet_single_blocks_1_linear2.lora_down.weight"} <= set(kohya)
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    kohya.update({f"{te}.lora_down.weight": torch.randn(RANK, 32), f"{te}.lora_up.weight": torch.randn(32, RANK),
+                  f"{te}.alpha": torch.tensor(float(RANK))})
+    save_file(kohya, str(tmp_path / "with_te.safetensors"))
+    want, _ = _infer_output(tiny, "flux", ours, tmp_path / "a")
+    got, ev = _infer_output(tiny, "flux", tmp_path / "with_te.safetensors", tmp_path / "b")
+    assert (ev["modules"], ev["other_model_tensors"]) == (7, 2)  # proj_out: the final layer and 2 single blocks
+    assert torch.equal(got, want)
+
+
 def test_an_alpha_that_is_no_power_of_two_is_close_not_bitwise(tiny: dict[str, Path], tmp_path: Path) -> None:
     """alpha/rank 1.5: ours folds it into up, kohya's readers (diffusers' converter) into down; B(1.5A)
     and (1.5B)A round differently, by at most a few float32 ulps of the weights."""
