@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from jobs.runners.families import FamilyAdapter
 from jobs.runners.folders import LoraError, check_lora_family, lora_family, lora_format, read_lora_header
-from jobs.runners.lora_formats import FORMATS, bfl_layout, from_diffusers, kohya_module, to_diffusers
+from jobs.runners.lora_formats import FORMATS, bfl_layout, kohya_module, to_diffusers, to_kohya
 
 __all__ = ["LoraError", "inject_lora", "base_weights_on_host", "trainable_state", "load_trainable_state", "export_lora", "lora_family",
            "read_lora_header", "load_lora_file", "read_lora", "check_lora_format"]
@@ -235,8 +235,8 @@ def export_lora(model: torch.nn.Module, family: FamilyAdapter, path: str | Path,
     check_lora_format(sorted(pairs), family, fmt)
     out: dict[str, torch.Tensor] = {}
     if fmt == "kohya":  # B as trained and the alpha beside it, as kohya's trainers write them
-        out = from_diffusers({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, family.name, fmt, rank=rank,
-                             alpha=alpha, native=_native_names(sorted(pairs), family))
+        out = to_kohya({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, family.name, rank=rank,
+                       alpha=alpha, native=_native_names(sorted(pairs), family))
     else:  # alpha/rank folded into B: every loader applies the same scale (1)
         for module, ab in pairs.items():
             key = family.lora_key(module) if fmt == "comfy" else f"transformer.{module}"

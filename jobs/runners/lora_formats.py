@@ -15,9 +15,10 @@ In: `to_diffusers` hands the file to the family's diffusers converter (`<Pipelin
 which calls `lora_conversion_utils`) and gets `transformer.<module>.lora_A.weight` with every alpha
 applied once (kohya: alpha/rank into A). One thing it cannot do: its Flux converter splits a single
 block's fused `linear1` at Flux-dev's widths (3072, 12288); that split is done here with the model's.
-Out: `from_diffusers` is our inverse of those converters. A fused BFL module (qkv, linear1) gets
-the q/k/v(/mlp) downs stacked (rank n*r) and a block-diagonal up, with alpha n*alpha: exact, and
-diffusers' converter recognises the block-diagonal layout and splits it back bit for bit.
+Out: `lora.export_lora` writes comfy and diffusers names; `to_kohya` is our inverse of those
+converters. A fused BFL module (qkv, linear1) gets the q/k/v(/mlp) downs stacked (rank n*r) and a
+block-diagonal up, with alpha n*alpha: exact, and diffusers' converter recognises the
+block-diagonal layout and splits it back bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from jobs.runners.folders import LoraError, lora_format
 
-__all__ = ["FORMATS", "to_diffusers", "from_diffusers", "kohya_module", "bfl_layout"]
+__all__ = ["FORMATS", "to_diffusers", "to_kohya", "kohya_module", "bfl_layout"]
 
 FORMATS = ("comfy", "diffusers", "kohya")
 
@@ -182,11 +183,10 @@ def _swap_halves(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([b, a], dim=0)
 
 
-def from_diffusers(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], family: str, fmt: str, *, rank: int,
-                   alpha: float, native: dict[str, str | None], prefix: str = "lora_unet_") -> dict[str, torch.Tensor]:
-    """{diffusers module: (A, B as trained)} -> the kohya file's tensors (`fmt` "kohya"); `prefix`
-    "diffusion_model." writes Flux's BFL names with dots, as ComfyUI's trainer does."""
-    assert fmt == "kohya", fmt
+def to_kohya(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], family: str, *, rank: int, alpha: float,
+             native: dict[str, str | None], prefix: str = "lora_unet_") -> dict[str, torch.Tensor]:
+    """{diffusers module: (A, B as trained)} -> a kohya file's tensors; `prefix` "diffusion_model."
+    writes Flux's BFL names with dots, as ComfyUI's trainer does. `native`: Wan's names of the modules."""
     groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     sizes: dict[str, int] = {}
     out: dict[str, torch.Tensor] = {}
@@ -215,18 +215,13 @@ def from_diffusers(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], family: 
             out.update({f"{name}.lora_down.weight": a.contiguous(), f"{name}.lora_up.weight": b.contiguous(),
                         f"{name}.alpha": torch.tensor(file_alpha)})
             continue
-        # a fused module: each member's down stacked, its up on the diagonal; absent members are zeros
-        like_a, like_b = next(iter(members.values()))
-        downs, ups = [], []
-        for j in range(n):
-            a, b = members.get(j, (torch.zeros_like(like_a), None))
-            downs.append(a)
-            ups.append(b)
-        out_dims = [u.shape[0] if u is not None else None for u in ups]
-        if None in out_dims:
+        # a fused module: the members' downs stacked, their ups on the diagonal (rank n*r, alpha n*alpha)
+        if len(members) != n:
             raise LoraError(f"train.lora_format: kohya: {name} fuses {n} modules; train all of them "
-                            f"(lora_target_modules) or use another lora_format")
-        up = torch.zeros(sum(out_dims), n * rank, dtype=like_b.dtype)
+                            "(lora_target_modules) or use another lora_format")
+        downs = [members[j][0] for j in range(n)]
+        ups = [members[j][1] for j in range(n)]
+        up = torch.zeros(sum(u.shape[0] for u in ups), n * rank, dtype=ups[0].dtype)
         row = 0
         for j, u in enumerate(ups):
             up[row:row + u.shape[0], j * rank:(j + 1) * rank] = u

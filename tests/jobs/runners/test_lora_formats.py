@@ -24,7 +24,7 @@ from jobs.runners.folders import LoraError
 from jobs.runners.infer import _fuse_lora
 from jobs.runners.load import load_transformer
 from jobs.runners.lora import check_lora_format, export_lora, inject_lora, load_lora_file, load_trainable_state
-from jobs.runners.lora_formats import from_diffusers
+from jobs.runners.lora_formats import to_kohya
 
 CPU = torch.device("cpu")
 RANK, ALPHA = 4, 8.0
@@ -61,8 +61,8 @@ def _comfy_bfl(model: torch.nn.Module, path: Path, peft_names: bool = False) -> 
         if ".lora_" in n:
             module, _, rest = n.partition(".lora_")
             pairs.setdefault(module, {})[rest[0]] = p.detach().float()
-    out = from_diffusers({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, "flux", "kohya", rank=RANK, alpha=ALPHA,
-                         native={}, prefix="diffusion_model.")
+    out = to_kohya({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, "flux", rank=RANK, alpha=ALPHA,
+                   native={}, prefix="diffusion_model.")
     if peft_names:  # alpha folded into B, as peft-style writers do
         out = {k.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B."): v for k, v in out.items()}
         for k in [k for k in out if k.endswith(".alpha")]:
@@ -221,7 +221,7 @@ def test_formats_that_cannot_hold_the_targets_are_refused_at_setup() -> None:
 
 def test_our_kohya_flux_names_split_back_exactly_in_diffusers_at_flux_dev_widths() -> None:
     """diffusers' own converter (FluxPipeline.lora_state_dict), which splits single blocks' linear1 at
-    Flux-dev's widths only, reads what from_diffusers writes at those widths: the same A and alpha/rank x B
+    Flux-dev's widths only, reads what to_kohya writes at those widths: the same A and alpha/rank x B
     (2 here, in A: kohya's readers scale the down matrix)."""
     from diffusers import FluxPipeline
 
@@ -232,7 +232,7 @@ def test_our_kohya_flux_names_split_back_exactly_in_diffusers_at_flux_dev_widths
                "transformer_blocks.0.attn.add_q_proj": inner, "transformer_blocks.0.attn.add_k_proj": inner,
                "transformer_blocks.0.attn.add_v_proj": inner, "transformer_blocks.0.ff.net.2": inner}
     pairs = {m: (torch.randn(r, 64, generator=g), torch.randn(out, r, generator=g)) for m, out in modules.items()}
-    kohya = from_diffusers(pairs, "flux", "kohya", rank=r, alpha=2.0 * r, native={})
+    kohya = to_kohya(pairs, "flux", rank=r, alpha=2.0 * r, native={})
     got = FluxPipeline.lora_state_dict(kohya)
     assert len(got) == 2 * len(modules)
     for m, (a, b) in pairs.items():
