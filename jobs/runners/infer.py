@@ -23,7 +23,7 @@ from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                offload_config, resolve_device, resolve_dtype)
-from jobs.runners.folders import LoraError, read_lora_header
+from jobs.runners.folders import LoraError, lora_format, read_lora_header
 from jobs.runners.host_tier import choose_host_tier
 from jobs.runners.lora import base_weights_on_host, read_lora
 from jobs.runners.precompute import encode_texts, make_cache
@@ -140,9 +140,9 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                    "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
                    / max(1, loaded.weight_bytes), **loaded.memory})
     if lora is not None:
-        meta, _ = read_lora_header(lora)
-        print(f"LoRA {lora} fused at scale {i.lora_scale} (rank {meta.get('lora_rank', '?')}, "
-              f"made for {meta.get('offload_jobs.family', 'unknown')})", flush=True)
+        meta, keys = read_lora_header(lora)
+        print(f"LoRA {lora} fused at scale {i.lora_scale} ({lora_format(keys)} names, rank "
+              f"{meta.get('lora_rank', meta.get('ss_network_dim', '?'))}, for {family.name})", flush=True)
 
     watch.phase("render")
     pipe = rnd.embedding_pipeline(family, loaded.model, vae, scheduler)
