@@ -1,7 +1,19 @@
 """python -m bench --workloads p1,p2,p3,flux-dev-lora-8g --json out.json [--device cuda|cpu] [--tiny] [--only ours,resident]
+                  [--link-gbps 13,25,50,real]
 
 Everything runs in this one process: the copy ceilings, then for each workload one CPU master
 model and one set of inputs, and every variant on a fresh copy of that master.
+
+``--link-gbps`` runs our variants again at each emulated link tier (consumer cards: Gen4 x8 about
+13 GB/s, Gen4 x16 about 25, Gen5 x16 about 50; ``real`` is this machine's own link), one block of
+rows per tier, each judged against its tier's floor: max(resident, bytes that must cross / the
+tier's rate). The emulation is the engine's ``debug_link_gbps`` (offload_core/link.py): after each
+H2D copy our engine queues, a spin kernel holds the copy stream for the extra time the slower link
+would need (``nbytes / asked - nbytes / real``), so the unit's ready event, the next copy, a bounce
+buffer's reuse and the copy rate the planner reads all see the slower link. It adds time on the
+copy stream only: D2H copies run at the real rate, and the host side (bounce fills, kernel
+launches) is what this machine's is. Peers are not paced (n/a at an emulated tier); resident
+crosses no link and runs once per workload, its row standing in every tier. See bench/tiers.py.
 """
 
 from __future__ import annotations
@@ -43,7 +55,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="after each of our variants, N rounds of one resident step then one of ours (default 0: off)")
     p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="P2's LoRA weight dtype (default bf16)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
+    p.add_argument("--link-gbps", default=None, metavar="LIST",
+                   help="comma list of emulated H2D link rates in GB/s and/or 'real' (e.g. 13,25,50,real): "
+                        "our variants run at each, one block of rows per tier, each against its own floor")
     return p.parse_args(argv)
+
+
+def _tiers(args: argparse.Namespace) -> list[float | None] | None:
+    from .tiers import parse_link_gbps
+
+    if args.link_gbps is None:
+        return None
+    try:
+        return parse_link_gbps(args.link_gbps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
@@ -59,6 +85,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
         bad = [v for v in only if v not in ALL_VARIANTS]
         if bad:
             raise UsageError(f"--only: unknown variant {bad[0]!r} (choose from {', '.join(ALL_VARIANTS)})")
+    _tiers(args)
     if args.paired < 0:
         raise UsageError(f"--paired: must be >= 0, got {args.paired}")
     for key in ("repeats", "warmup"):
@@ -87,12 +114,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from .floor import derive, workload_meta
     from .measure import measure_ceilings, warm_device
-    from .peers import variants_for
+    from .peers import NotApplicable, variants_for
     from .runner import run_tuned, run_variant
+    from .tiers import at_tier, derive_tiers, tier_label, tier_row
     from .workloads import get_workload
 
     t_start = time.perf_counter()
     names, only = _check(args)
+    tiers = _tiers(args)
     want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
@@ -122,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cudnn_sdp": "off" if device.type == "cuda" else None,
         "argv": sys.argv,
+        "link_gbps": None if tiers is None else [tier_label(g) for g in tiers],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     gb = args.ceiling_gb if args.ceiling_gb is not None else (0.0625 if args.tiny or device.type == "cpu" else 2.0)
@@ -133,6 +163,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows: list[dict[str, Any]] = []
     metas: dict[str, dict[str, Any]] = {}
+
+    def result(partial: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows}
+        if tiers is None:
+            derive(rows, metas, ceiling)
+        else:
+            out["tiers"] = derive_tiers(rows, metas, ceiling, tiers)
+        if partial:
+            out["partial"] = True
+        return out
+
     for name in names:
         wl = get_workload(name, args.tiny, lora_dtype=torch.bfloat16 if args.lora_dtype == "bf16" else torch.float32)
         t0 = time.perf_counter()
@@ -145,30 +186,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for variant in variants_for(wl):
             if only is not None and variant.name not in only:
                 continue
-            log(f"  {variant.name} ...")
-            kw = dict(warmup=warmup, repeats=repeats, ref=ref)
-            if variant.name == "ours-tuned":
-                row = run_tuned(wl, master, inputs, device, log=log, paired=args.paired, **kw)
-            else:
-                row = run_variant(wl, master, inputs, variant, device, profile=not args.no_profile,
-                                  paired=args.paired, **kw)
-            reference = row.pop("_reference", None)
-            if variant.name == "resident" and reference is not None:
-                ref = reference
-            status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
-            log(f"    {status}")
-            rows.append(row)
-            if args.json_path:  # after each variant, so a run cut short still leaves its results
-                derive(rows, metas, ceiling)
-                _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows,
-                                             "partial": True})
+            # resident crosses no link: at link tiers it runs once, its row standing in every tier
+            shared = tiers is None or variant.family == "resident"
+            for gbps in ([None] if shared else tiers):
+                log(f"  {variant.name}{'' if shared else ' at ' + tier_label(gbps)} ...")
+                kw = dict(warmup=warmup, repeats=repeats, ref=ref)
+                try:
+                    paced = at_tier(variant, gbps)
+                except NotApplicable as e:
+                    row = {"workload": wl.name, "variant": variant.name, "family": variant.family,
+                           "config": dict(variant.config), "status": "n/a", "reason": str(e)}
+                else:
+                    if variant.name == "ours-tuned":
+                        row = run_tuned(wl, master, inputs, device, log=log, paired=args.paired, **kw)
+                    else:
+                        row = run_variant(wl, master, inputs, paced, device, profile=not args.no_profile,
+                                          paired=args.paired, **kw)
+                reference = row.pop("_reference", None)
+                if variant.name == "resident" and reference is not None:
+                    ref = reference
+                status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
+                log(f"    {status}")
+                if tiers is None:
+                    rows.append(row)
+                else:
+                    rows.extend(tier_row(row, g) for g in (tiers if shared else [gbps]))
+                if args.json_path:  # after each variant, so a run cut short still leaves its results
+                    _write_json(args.json_path, result(partial=True))
         del master, inputs
-        if args.json_path:
-            derive(rows, metas, ceiling)
-            _write_json(args.json_path, {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows, "partial": True})
-    derive(rows, metas, ceiling)
+    out = result()
     meta["wall_s"] = time.perf_counter() - t_start
-    return {"meta": meta, "ceiling": ceiling, "workloads": metas, "rows": rows}
+    return out
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """The floor each row is judged against, the acceptance targets, and the derived ratios.
 
 floor = max(resident time, bytes that must cross PCIe / measured pinned H2D rate), the rate being
-the pinned-copy probe's, or our engine's own copy rate in the same run where that was faster.
+the pinned-copy probe's, or our engine's own copy rate in the same run where that was faster. At an
+emulated link tier (``--link-gbps``) the asked rate stands in for the probe's.
 """
 
 from __future__ import annotations
@@ -59,21 +60,29 @@ def _ms(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e9) * 1e3
 
 
-def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> None:
+def derive(rows: list[dict[str, Any]], metas: dict[str, dict[str, Any]], ceiling: dict[str, Any],
+           link_gbps: float | None = None) -> None:
     """Fill floor_ms, x_resident, x_floor, target and the VRAM bound into rows and metas, in place.
 
     The copy rate of the floors is the probe's, unless our engine's own copies (timed per copy,
     within 0.5% of torch.profiler) ran faster in the same run: a probe that read low would lift
     every floor and flatter every ratio (on 2026-12-01 one read 49.3 GB/s while the engine copied at
     54.7, and P1 looked like 0.93x). The rate used is in ``ceiling["floor_h2d_gbps"]``.
+
+    ``link_gbps`` (an emulated link tier, ``--link-gbps``): the asked rate takes the probe's place,
+    with the same rule: paced copies that ran faster than asked set the floor instead.
     """
-    probe = ceiling.setdefault("probe_h2d_gbps", ceiling["h2d_gbps"])
+    if link_gbps is not None:
+        probe, source = float(link_gbps), "the emulated link's asked rate"
+        ceiling["link_gbps"] = probe
+    else:
+        probe, source = ceiling.setdefault("probe_h2d_gbps", ceiling["h2d_gbps"]), "the probe"
     engine = [r["stats"]["h2d_gbps"] for r in rows
               if r.get("family") == "ours" and r.get("status") == "ok"
               and isinstance((r.get("stats") or {}).get("h2d_gbps"), (int, float))]
     gbps = max([probe] + [g for g in engine if g > 0])
     ceiling["floor_h2d_gbps"] = gbps
-    ceiling["floor_rate"] = "the probe" if gbps == probe else "our engine's copies (faster than the probe)"
+    ceiling["floor_rate"] = source if gbps == probe else f"our engine's copies (faster than {source})"
     for name, meta in metas.items():
         res = next((r for r in rows if r["workload"] == name and r["variant"] == "resident" and r.get("status") == "ok"), None)
         meta["resident_ms"] = res["time_ms"] if res else None

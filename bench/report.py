@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["format_header", "format_markdown", "format_table", "render"]
+from .tiers import tier_label
+
+__all__ = ["format_header", "format_markdown", "format_table", "format_tier_table", "render"]
 
 COLUMNS = [
     "workload", "variant", "time ms", "x res", "x floor", "x wl floor", "x floor paired", "target", "peak GB", "peak/budget",
@@ -33,8 +35,13 @@ def _exact(r: dict[str, Any]) -> str:
     return "yes" if eq else "NO"
 
 
+def _tag(r: dict[str, Any]) -> str:
+    """The workload, and the link tier where the run had tiers (--link-gbps)."""
+    return r["workload"] + (f" @{r['tier']}" if r.get("tier") else "")
+
+
 def _cells(r: dict[str, Any]) -> list[str]:
-    head = [r["workload"], r["variant"]]
+    head = [_tag(r), r["variant"]]
     if r.get("status") != "ok":
         reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
         short = (reason[:60] + "...") if len(reason) > 60 else reason
@@ -109,7 +116,25 @@ def format_header(result: dict[str, Any]) -> list[str]:
     if c.get("floor_h2d_gbps") and c["floor_h2d_gbps"] > c["h2d_gbps"]:
         line += f"; floors at {c['floor_h2d_gbps']:.2f} GB/s, the rate of our engine's own copies (faster than the probe)"
     lines.append(line)
-    for name, m in result["workloads"].items():
+    tiers = result.get("tiers")
+    if not tiers:
+        return lines + _workload_lines(result["workloads"])
+    for t in tiers:
+        how = "this machine's link" if t["link_gbps"] is None else f"emulated, {t['link_gbps']:g} GB/s asked"
+        line = f"tier {t['tier']} ({how}): floors at {t['floor_h2d_gbps']:.2f} GB/s, {t['floor_rate']}"
+        if t.get("engine_h2d_gbps"):
+            lo, hi = t["engine_h2d_gbps"]
+            line += f"; our copies measured {lo:.2f}" + ("" if hi - lo < 0.005 else f"-{hi:.2f}") + " GB/s"
+        if t.get("engine_real_link_gbps"):
+            line += f" (the pacer's probe of the real link: {t['engine_real_link_gbps']:.2f} GB/s)"
+        lines.append(line)
+        lines += ["  " + x for x in _workload_lines(t["workloads"])]
+    return lines
+
+
+def _workload_lines(workloads: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, m in workloads.items():
         res = m.get("resident_ms")
         lines.append(
             f"{name}: {m['title']}; weights {m['weight_bytes'] / 1e9:.3f} GB; must cross {m['must_cross_bytes'] / 1e9:.3f} GB "
@@ -122,7 +147,7 @@ def format_header(result: dict[str, Any]) -> list[str]:
 def format_notes(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
-        tag = f"{r['workload']}/{r['variant']}"
+        tag = f"{_tag(r)}/{r['variant']}"
         if r.get("status") != "ok":
             out.append(f"{tag}: {r.get('status')}: {r.get('reason')}")
             continue
@@ -202,13 +227,83 @@ def render(result: dict[str, Any], echo: Callable[[str], None] = print) -> None:
     echo("setup s/GB: the whole session's setup (engine, optimizer offload, optimizer).  pack s/GB: the engine's pack and pin.")
     echo("exact: output bit-for-bit equal to resident (training: step-1 loss; 'step1' = later steps drift).")
     echo("peak/budget: peak allocated VRAM of the whole process / vram_budget (must be <= 1.01).")
-    echo(format_table(result["rows"]))
+    echo(format_table(_by_tier(result)))
+    if result.get("tiers"):
+        echo("")
+        echo("link tiers: each row against its tier's floor, max(resident, bytes that must cross / the tier's rate);")
+        echo("H2D GB/s: the engine's own measured (paced) copy rate; plan: what the planner chose at that tier.")
+        echo(format_tier_table(result["rows"], [t["link_gbps"] for t in result["tiers"]]))
+
+
+def _by_tier(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows, one block per link tier where the run had tiers."""
+    tiers = result.get("tiers")
+    if not tiers:
+        return result["rows"]
+    return [r for t in tiers for r in result["rows"] if r.get("tier") == t["tier"]]
 
 
 def format_markdown(result: dict[str, Any]) -> str:
-    """The same report as markdown, ready to paste into bench/RESULTS.md."""
-    parts = ["```", *format_header(result), "```", "", format_table(result["rows"], markdown=True)]
+    """The same report as markdown, ready to paste into bench/RESULTS.md (with link tiers: their table first)."""
+    parts = ["```", *format_header(result), "```", ""]
+    if result.get("tiers"):
+        parts += [format_tier_table(result["rows"], [t["link_gbps"] for t in result["tiers"]], markdown=True), ""]
+    parts += [format_table(_by_tier(result), markdown=True)]
     notes = format_notes(result["rows"])
     if notes:
         parts += ["", *[f"- {n}" for n in notes]]
     return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------- link tiers (--link-gbps, bench/tiers.py)
+TIER_COLUMNS = ["tier", "workload", "variant", "time ms", "floor ms", "x floor", "target", "H2D GB/s", "plan", "exact"]
+
+
+def _tier_plan(r: dict[str, Any]) -> str:
+    """What the planner chose: depth, ring slots, sticky and resident units, granularity (stats()["plan"])."""
+    st = r.get("stats") or {}
+    if r.get("family") != "ours" or not st:
+        return "-"
+    bits = [f"depth {st.get('prefetch_depth')}", f"{st.get('slot_count')} slots",
+            f"{st.get('sticky_units', 0)} sticky", f"{st.get('plan_resident_units', 0)} resident",
+            str(st.get("plan_granularity") or (r.get("config") or {}).get("offload_granularity") or "auto")]
+    chosen = st.get("plan_chosen_by")
+    if chosen not in (None, "none"):
+        bits.append(f"({chosen})")
+    return ", ".join(bits)
+
+
+def _tier_cells(r: dict[str, Any]) -> list[str]:
+    head = [r.get("tier", "real"), r["workload"], r["variant"]]
+    if r.get("status") != "ok":
+        reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
+        return head + [r.get("status", "?"), "-", "-", "-", "-", reason[:70], "-"]
+    target = r.get("target_x_floor")
+    gbps = (r.get("stats") or {}).get("h2d_gbps") if r.get("family") == "ours" else None
+    return head + [
+        f"{r['time_ms']:.2f}",
+        "-" if r.get("floor_ms") is None else f"{r['floor_ms']:.2f}",
+        "-" if r.get("x_floor") is None else f"{r['x_floor']:.3f}",
+        "-" if target is None else f"<={target:g} " + ("ok" if r.get("meets_target") else "MISS"),
+        "-" if not gbps else f"{gbps:.1f}",
+        _tier_plan(r),
+        _exact(r),
+    ]
+
+
+def format_tier_table(rows: list[dict[str, Any]], tiers: list[float | None], markdown: bool = False) -> str:
+    """One block of rows per tier (in the order asked), each row against its tier's floor."""
+    blocks = [[_tier_cells(r) for r in rows if r.get("tier") == tier_label(g)] for g in tiers]
+    if markdown:
+        out = ["| " + " | ".join(TIER_COLUMNS) + " |", "|" + "---|" * len(TIER_COLUMNS)]
+        out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for block in blocks for row in block]
+        return "\n".join(out)
+    table = [TIER_COLUMNS] + [row for block in blocks for row in block]
+    widths = [max(len(row[i]) for row in table) for i in range(len(TIER_COLUMNS))]
+    line = "  ".join("-" * w for w in widths)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(TIER_COLUMNS, widths)).rstrip(), line]
+    for i, block in enumerate(blocks):
+        if i:
+            lines.append("")
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in block]
+    return "\n".join(lines)

@@ -153,6 +153,14 @@ class TrainSpec(_Strict):
     sample_height: Optional[int] = Field(None, ge=8, le=MAX_SIDE)
     cache_dir: Optional[str] = Field(None, description="Latent and text-embedding cache; default <state dir>/cache.")
     output_name: str = Field("lora", description="Base name of the LoRA file written to outputs/.")
+    lora_format: Literal["comfy", "diffusers", "kohya"] = Field(
+        "comfy", description="Key names of the LoRA file. comfy (the default, the names this trainer has always written; "
+                             "ComfyUI and diffusers both load them): Flux transformer.<diffusers module>, Qwen-Image "
+                             "diffusion_model.<diffusers module>, Wan diffusion_model.<native module, e.g. "
+                             "blocks.0.self_attn.q>; lora_A/lora_B with alpha/rank folded into B. diffusers: "
+                             "transformer.<diffusers module> for every family, alpha folded. kohya: lora_unet_<module>"
+                             ".lora_down/.lora_up with .alpha, as kohya's sd-scripts and musubi-tuner write them (Flux in "
+                             "BFL names with fused qkv/linear1; Wan and Qwen-Image as musubi-tuner names them).")
     trigger_word: Optional[str] = Field(
         None, max_length=1000, description="Put in every caption: replaces [trigger] where a caption has it, else leads it.")
     default_caption: Optional[str] = Field(
@@ -168,7 +176,8 @@ class TrainSpec(_Strict):
     log_to: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Also log to tensorboard (event files in the run dir's tensorboard/) or wandb.")
     init_lora: Optional[str] = Field(
-        None, description="Start from this LoRA file (one this trainer wrote, of the same family and lora_rank).")
+        None, description="Start from this LoRA file, of the same family and lora_rank, in any format infer.lora reads "
+                          "(comfy, diffusers/peft, kohya, musubi-tuner); every module it holds must be a trained one.")
 
     _split = field_validator("lora_target_modules", mode="before")(_names)
     _sample_options = field_validator("sample_prompts")(
@@ -220,7 +229,10 @@ class InferSpec(_Strict):
     seed: int = Field(0, ge=0, le=MAX_INT)
     seeds: Optional[list[Annotated[int, Field(ge=0, le=MAX_INT)]]] = Field(None, max_length=10_000, description="One image per seed (overrides seed and num_images).")
     num_images: int = Field(1, ge=1, le=10_000, description="Images per prompt (seeds seed, seed+1, ...).")
-    lora: Optional[str] = Field(None, description="A LoRA .safetensors path, or the id of a train job whose LoRA to use.")
+    lora: Optional[str] = Field(
+        None, description="A LoRA .safetensors path, or the id of a train job whose LoRA to use. Read in diffusers/peft, "
+                          "ComfyUI, kohya (lora_unet_..., lora_down/lora_up, .alpha) and musubi-tuner names; a file "
+                          "of another family, or one that applies to no module of the model, is refused by name.")
     lora_scale: float = Field(1.0, ge=-1e3, le=1e3)
     max_sequence_length: Optional[int] = Field(None, ge=1, le=65536)
 

@@ -148,6 +148,7 @@ class _Ring:
         self.fill_s = 0.0
         self.wait_s = 0.0  # the issuer waiting for a fill
         self.memmove = ctypes.memmove
+        self.hold: Callable[[int], None] = _no_hold  # a LinkPacer's hold under debug_link_gbps (link.py)
         self.fillers = [threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
                         for i in range(max(threads, 1))]
         self.threads = self.fillers + [threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True)]
@@ -255,12 +256,14 @@ class _Ring:
             out = dst[off: off + n]
             if stream is not None:
                 out.copy_(self.bufs[b][:n], non_blocking=True)
+                self.hold(n)  # an emulated slower link holds the buffer as long as that link would
                 # blocking: a fill thread waiting on it sleeps; the default event spins, and 16 spinning
                 # threads took the cores the memcpys and the engine's own thread need
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             else:
                 out.copy_(self.bufs[b][:n])
+                self.hold(n)
                 ev = None
             off += n
             with c:
@@ -290,6 +293,10 @@ class _Ring:
         with self.idle:
             while self.finished < self.posted and self.error is None and not self.closed:
                 self.idle.wait(0.05)
+
+
+def _no_hold(nbytes: int) -> None:
+    """The real link: nothing to add after a chunk's copy."""
 
 
 def _default_threads() -> int:
@@ -378,3 +385,7 @@ class BounceStore:
 
     def drain(self) -> None:
         self.ring.drain()
+
+    def pace(self, pacer: Any) -> None:
+        """Hold the copy stream after each chunk's copy as an emulated slower link would (link.py)."""
+        self.ring.hold = pacer.hold

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,10 @@ class OffloadConfig:
     timing_every: int = 8
     # Test-only: sleep a random 0..N ms on the host inside hooks, to shake out races.
     debug_host_delay_ms: float = 0.0
+    # Bench/test only: emulate a slower host-to-device link (GB/s, e.g. 13, 25, 50) by holding the
+    # copy stream after every H2D weight copy for the time that link would need on top (link.py).
+    # None: the real link. On the CPU copies are counted, not slowed.
+    debug_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -130,6 +135,12 @@ class OffloadConfig:
         if self.num_copy_threads is not None and (not isinstance(self.num_copy_threads, int)
                                                   or isinstance(self.num_copy_threads, bool) or self.num_copy_threads < 1):
             raise OffloadConfigError(f"num_copy_threads: must be a whole number >= 1, got {self.num_copy_threads!r}")
+        link = self.debug_link_gbps
+        if link is not None:
+            if isinstance(link, bool) or not isinstance(link, (int, float)) or not math.isfinite(link) or link <= 0:
+                raise OffloadConfigError(f"debug_link_gbps: must be a link rate in GB/s above 0 (13, 25, 50), "
+                                         f"or null for the real link, got {link!r}")
+            self.debug_link_gbps = float(link)
         if not isinstance(self.timing_every, int) or isinstance(self.timing_every, bool) or self.timing_every < 1:
             raise OffloadConfigError(f"timing_every: must be a whole number >= 1, got {self.timing_every!r}")
         if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)

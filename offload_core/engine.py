@@ -41,6 +41,7 @@ from .config import OffloadConfig
 from .device import resolve_device
 from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, OffloadConfigError
 from .hostmem import trim_host_heap
+from .link import LinkPacer
 from .masters import Masters
 from .quant import UnitWidener, assign_storage, quantize
 from .replan import Replanner
@@ -112,7 +113,7 @@ class OffloadEngine:
             offload_ratio=config.offload_ratio, vram_budget=config.vram_budget, depth=depth)
         for uid in residency.resident:
             self.units[uid].streamed = False
-        self.prediction: dict[str, Any] = dict(residency.info)
+        self.prediction: dict[str, Any] = dict(residency.info, granularity=self.layout.granularity)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
         self.lossy = assign_storage(self.streamed, config.weight_dtype)
 
@@ -152,9 +153,11 @@ class OffloadEngine:
         self.schedule = Schedule(depth)
         # Units stored in another dtype land in a raw buffer and are widened into their slot.
         self.widener = UnitWidener(self.streamed, self.device)
+        # debug_link_gbps: a slower link, emulated by holding the copy stream after each H2D copy (link.py)
+        self.pacer = LinkPacer(config.debug_link_gbps, self.device) if config.debug_link_gbps is not None else None
         self.transfer = Transfer(self.device, use_streams=config.use_streams, timing=self.timing,
                                  counters=self.counters, widener=self.widener,
-                                 bounce=self.store if isinstance(self.store, BounceStore) else None)
+                                 bounce=self.store if isinstance(self.store, BounceStore) else None, pacer=self.pacer)
         self.use_streams = self.transfer.use_streams
         self.replanner = Replanner(self)
         self._install_hooks()
@@ -523,6 +526,7 @@ class OffloadEngine:
             stall_ms=stall_ms,
             compute_ms=compute_ms,
             h2d_gbps=(c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0,
+            link_stats=self.pacer.stats() if self.pacer is not None else {},
         )
 
     def reset_stats(self) -> None:

@@ -7,6 +7,8 @@
   ``done`` event. Gradients (optimizer offload) and write-back of in-place-updated buffers use it.
 - Write-back: a unit's dirty buffers back into its host master; a later load of the unit waits
   for it, and reading the masters (state_dict) first calls ``flush``.
+- An emulated slower link (``debug_link_gbps``, link.py): every H2D copy is followed on its stream
+  by a hold for the time that link would need on top; bound at setup, like the bounce store's copies.
 
 Without streams (the CPU, or ``use_streams=False``) the same calls copy synchronously.
 """
@@ -25,6 +27,7 @@ from .units import Unit
 
 if TYPE_CHECKING:
     from .bounce import BounceStore
+    from .link import LinkPacer
 
 __all__ = ["Transfer"]
 
@@ -63,7 +66,7 @@ class _On:
 
 class Transfer:
     def __init__(self, device: torch.device, *, use_streams: bool, timing: TimingLog | None, counters: Counters,
-                 widener: UnitWidener, bounce: BounceStore | None = None) -> None:
+                 widener: UnitWidener, bounce: BounceStore | None = None, pacer: LinkPacer | None = None) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.use_streams = bool(use_streams and self.is_cuda)
@@ -87,9 +90,17 @@ class Transfer:
         # once, so the hot path has no branch on the store.
         self.bounce = bounce
         self._late: collections.deque = collections.deque()  # timing pairs the issuer thread recorded
+        # An emulated slower link (debug_link_gbps, link.py) paces every H2D copy: bound here too,
+        # so an engine without it runs no pacing code.
+        self.pacer = pacer
+        if pacer is not None:
+            self._copy_in = pacer.copy  # type: ignore[method-assign]
+            self._h2d_copy = self._paced_copy  # type: ignore[method-assign]
         if bounce is not None:
             self._load_async = self._load_bounce  # type: ignore[method-assign]
             self._h2d_copy = self._bounce_copy  # type: ignore[method-assign]
+            if pacer is not None:
+                bounce.pace(pacer)  # the ring's chunk copies
         # times H2D copies (CUDA); the copy stream, or the compute stream when streams are off
         self.clock = None
         if self.is_cuda and timing is not None:
@@ -158,7 +169,7 @@ class Transfer:
         with _On(h2d, compute):
             clock = self.clock if self.timed else None
             a = clock.start(h2d) if clock is not None else None
-            dst.copy_(src, non_blocking=True)
+            self._copy_in(dst, src)
             if a is not None:
                 clock.submitted()
                 self.timing.add("h2d", u.uid, a, self.mark(h2d))
@@ -233,8 +244,17 @@ class Transfer:
         slot.ready = pending
         return None
 
+    @staticmethod
+    def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The copy of _load_async, on the current (copy) stream; a LinkPacer's paced copy in its place."""
+        dst.copy_(src, non_blocking=True)
+
     def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         dst.copy_(src, non_blocking=stream is not None)
+
+    def _paced_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        dst.copy_(src, non_blocking=stream is not None)
+        self.pacer.hold(src.numel() * src.element_size())  # on the current stream: the copy's
 
     def _bounce_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self.bounce.copy(self.bounce.request(src), dst, stream)

@@ -147,6 +147,7 @@ class UnitLayout:
     units: list[Unit]
     resident: list[tuple[nn.Module, str, bool]]  # (module, attr, is_param) kept on the device
     block_lists: list[str]
+    granularity: str = ""  # what offload_granularity resolved to (auto: block where there are block lists, else leaf)
 
     def streamed(self) -> Iterator[Unit]:
         return (u for u in self.units if u.streamed)
@@ -308,4 +309,4 @@ def discover_units(
                     for child in block.children():
                         subtree_unit(child)
         leaf_units(model, skip=in_block)
-    return UnitLayout(units=units, resident=resident, block_lists=[n for n, _ in block_lists])
+    return UnitLayout(units=units, resident=resident, block_lists=[n for n, _ in block_lists], granularity=g.value)

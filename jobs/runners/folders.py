@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 from jobs.runners.errors import FamilyError, LoraError, SetupError  # on the tree drawn in jobs.errors
 
 __all__ = ["FamilyError", "LoraError", "SetupError", "FAMILY_CLASSES", "detect_family", "safetensors_header",
-           "read_lora_header", "lora_family"]
+           "read_lora_header", "lora_family", "lora_format", "lora_family_of_keys", "check_lora_family"]
 
 # family -> (pipeline class, transformer class): the names model_index.json and config.json use
 FAMILY_CLASSES = {"flux": ("FluxPipeline", "FluxTransformer2DModel"),
@@ -103,16 +104,55 @@ def read_lora_header(path: str | Path) -> tuple[dict[str, str], list[str]]:
     return {str(k): str(v) for k, v in meta.items()}, list(header)
 
 
+# A LoRA file's format, from its key names (see jobs/runners/lora_formats.py for each one's names)
+_FORMAT_PREFIXES = (("lora_unet_", "kohya"), ("diffusion_model.", "comfy"), ("transformer.", "diffusers"),
+                    ("lora_transformer_", "kohya"))
+# family -> a pattern over a key's module part, dots and underscores alike (kohya flattens the dots)
+_FAMILY_KEYS = (("flux", re.compile(r"(double_blocks|single_blocks|single_transformer_blocks)_\d+_")),
+                ("wan", re.compile(r"blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)_")),
+                ("qwen-image", re.compile(r"transformer_blocks_\d+_(img_mlp|txt_mlp|img_mod|txt_mod)_")))
+
+
+def _module_part(key: str) -> str:
+    for prefix, _ in _FORMAT_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):].replace(".", "_")
+    return key.replace(".", "_")
+
+
+def lora_format(keys: list[str]) -> str | None:
+    """kohya (`lora_unet_...`, musubi-tuner too), comfy (`diffusion_model....`), diffusers (`transformer....`)."""
+    for prefix, fmt in _FORMAT_PREFIXES:
+        if any(k.startswith(prefix) for k in keys):
+            return fmt
+    return None
+
+
+def lora_family_of_keys(keys: list[str]) -> tuple[str | None, str]:
+    """(the family the keys name, one key that says so); (None, a key) when they could be several."""
+    for family, pattern in _FAMILY_KEYS:
+        for k in keys:
+            body = _module_part(k)
+            if pattern.match(body) and not (family == "wan" and body.startswith(("transformer_blocks", "single_"))):
+                return family, k
+    return None, keys[0] if keys else ""
+
+
 def lora_family(path: str | Path) -> str | None:
     """The family a LoRA file was made for: from our header, else guessed from its key names."""
     meta, keys = read_lora_header(path)
     if meta.get("offload_jobs.family"):
         return meta["offload_jobs.family"]
-    body = [k.split(".", 1)[1] if k.startswith(("transformer.", "diffusion_model.")) else k for k in keys]
-    if any(k.startswith("single_transformer_blocks.") or "double_blocks" in k or "single_blocks" in k for k in body):
-        return "flux"
-    if any(k.startswith("blocks.") and (".self_attn." in k or ".cross_attn." in k or ".attn1." in k) for k in body):
-        return "wan"
-    if any(".img_mlp." in k or ".txt_mlp." in k or ".img_mod." in k for k in body):
-        return "qwen-image"
-    return None  # e.g. double blocks only: Flux and SD3 name them alike
+    return lora_family_of_keys(keys)[0]  # None e.g. for double blocks only: Flux and SD3 name them alike
+
+
+def check_lora_family(path: str | Path, family: str, where: str, model: str | Path) -> None:
+    """Refuse a LoRA made for another family, naming the file, its format and a key that shows it."""
+    meta, keys = read_lora_header(path)
+    made_for = meta.get("offload_jobs.family")
+    example = f"its header says offload_jobs.family={made_for}"
+    if not made_for:
+        made_for, key = lora_family_of_keys(keys)
+        example = f"{lora_format(keys) or 'unknown'} names, e.g. {key}"
+    if made_for is not None and made_for != family:
+        raise LoraError(f"{where}: {path} is a {made_for} LoRA; {model} is a {family} model ({example})")

@@ -24,9 +24,9 @@ from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
 from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
                                offload_config, resolve_device, resolve_dtype)
-from jobs.runners.folders import LoraError, read_lora_header
+from jobs.runners.folders import LoraError, lora_format, read_lora_header
 from jobs.runners.host_tier import choose_host_tier
-from jobs.runners.lora import base_weights_on_host
+from jobs.runners.lora import base_weights_on_host, read_lora
 from jobs.runners.precompute import encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
 from jobs.spec import JobSpec
@@ -69,29 +69,34 @@ def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
                       prompts, watch, transformer=checked.transformer)
 
 
-def _fuse_lora(family: FamilyAdapter, path: Path, scale: float):
+def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | None = None):
+    """The LoRA (any format `lora.read_lora` reads) fused into the transformer's weights at `scale`;
+    how many modules it applied goes to the log and to a `lora_applied` event."""
     def prepare(model: torch.nn.Module) -> None:
-        pipe_cls, _ = family.classes()
-        try:
-            state = pipe_cls.lora_state_dict(str(path))
-        except Exception as exc:  # diffusers' converters raise bare ValueErrors / KeyErrors on foreign keys
-            raise LoraError(f"infer.lora: {path} is not a {family.name} LoRA diffusers can read ({exc})") from None
-        if isinstance(state, tuple):
-            state = state[0]
-        wanted = {k.rsplit(".lora_", 1)[0] for k in state if ".lora_A" in k}
+        state, fmt, others = read_lora(path, family, model, "infer.lora")
+        wanted = {k.rsplit(".lora_", 1)[0].removeprefix("transformer.") for k in state if ".lora_A" in k}
+        if not wanted:
+            raise LoraError(f"infer.lora: {path} ({fmt}) holds no LoRA for the {family.name} transformer")
+        modules = {n for n, _ in model.named_modules()}
+        absent = sorted(wanted - modules)
+        if len(absent) == len(wanted):
+            raise LoraError(f"infer.lora: none of the {len(wanted)} modules of {path} ({fmt}) is in this model "
+                            f"(e.g. {absent[0]}); it applies nothing")
+        if absent:
+            raise LoraError(f"infer.lora: only {len(wanted) - len(absent)} of the {len(wanted)} modules of {path} ({fmt}) "
+                            f"are in this model (e.g. not {absent[0]}; a LoRA of another model size?)")
         try:
             model.load_lora_adapter(state, prefix="transformer", adapter_name="job_lora")
         except Exception as exc:
-            raise LoraError(f"infer.lora: {path} does not fit this {family.name} model ({exc})") from None
+            raise LoraError(f"infer.lora: {path} ({fmt}) does not fit this {family.name} model ({exc})"[:600]) from None
         got = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
-        if not got:
-            raise LoraError(f"infer.lora: none of the {len(wanted)} modules of {path} is in this model")
-        if len(got) < len(wanted):
-            raise LoraError(f"infer.lora: only {len(got)} of the {len(wanted)} modules of {path} are in this model "
-                            "(a LoRA of another model size?)")
+        if got != wanted:  # peft left some out: no silent partial LoRA
+            raise LoraError(f"infer.lora: {len(got)} of the {len(wanted)} modules of {path} ({fmt}) were applied")
         with base_weights_on_host(model):  # on the CPU, into the engine's host masters when it streams them
             model.fuse_lora(lora_scale=scale)
         model.unload_lora()
+        emit_event(run_dir, "lora_applied", path=str(path), format=fmt, modules=len(got), tensors=len(state),
+                   other_model_tensors=others)
 
     return prepare
 
@@ -116,7 +121,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     metrics.write({"phase": "encode", Metric.seconds: round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
 
     watch.phase("load")
-    prepare = _fuse_lora(family, lora, i.lora_scale) if lora is not None else None
+    prepare = _fuse_lora(family, lora, i.lora_scale, run_dir) if lora is not None else None
     engine_keys = spec.offload.engine_kwargs()  # as the user wrote them, for params.json
     engine_keys.pop("enable_optimizer_cpu_offload", None)
     tdir = transformer_folder(model_dir, transformer, run_dir)
@@ -137,9 +142,9 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                    "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
                    / max(1, loaded.weight_bytes), **loaded.memory})
     if lora is not None:
-        meta, _ = read_lora_header(lora)
-        print(f"LoRA {lora} fused at scale {i.lora_scale} (rank {meta.get('lora_rank', '?')}, "
-              f"made for {meta.get('offload_jobs.family', 'unknown')})", flush=True)
+        meta, keys = read_lora_header(lora)
+        print(f"LoRA {lora} fused at scale {i.lora_scale} ({lora_format(keys)} names, rank "
+              f"{meta.get('lora_rank', meta.get('ss_network_dim', '?'))}, for {family.name})", flush=True)
 
     watch.phase("render")
     pipe = rnd.embedding_pipeline(family, loaded.model, vae, scheduler)

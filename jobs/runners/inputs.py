@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jobs.runners.data import Item, scan_dataset
 from jobs.runners.errors import CheckpointError
-from jobs.runners.folders import LoraError, SetupError, detect_family, lora_family
+from jobs.runners.folders import LoraError, SetupError, check_lora_family, detect_family
 from jobs.runners.prompts import PromptSpec, parse_prompt, read_prompts
 from jobs.spec import JobSpec
 
@@ -105,8 +105,11 @@ def check_train(spec: JobSpec) -> Checked:
                f"{t.max_pixels:,} pixels", t.max_pixels, t.num_frames if video else 1, t.batch_size)
     items = scan_dataset(dataset, image_column=t.image_column, caption_column=t.caption_column,
                          allow_clips=video, default_caption=t.default_caption)
-    if t.init_lora and not Path(t.init_lora).expanduser().is_file():
-        raise LoraError(f"train.init_lora: {t.init_lora} is not a file")
+    if t.init_lora:
+        init = Path(t.init_lora).expanduser()
+        if not init.is_file():
+            raise LoraError(f"train.init_lora: {t.init_lora} is not a file")
+        check_lora_family(init, family, "train.init_lora", model_dir)
     _prompts_parse(read_prompts(t.sample_prompts, dataset),
                    PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0,
                               frames=t.num_frames if video else 1), "train.sample_prompts")
@@ -138,9 +141,7 @@ def check_infer(spec: JobSpec, home: Path) -> Checked:
     lora = None
     if spec.infer.lora:
         lora = resolve_lora(spec.infer.lora, home)
-        made_for = lora_family(lora)
-        if made_for is not None and made_for != family:
-            raise LoraError(f"infer.lora: {lora} is a {made_for} LoRA; {model_dir} is a {family} model")
+        check_lora_family(lora, family, "infer.lora", model_dir)
     i = spec.infer
     frames = i.num_frames if family == "wan" else 1
     check_size("infer.width x infer.height" + (" x infer.num_frames" if frames > 1 else ""), f"{i.width}x{i.height}",

@@ -33,9 +33,8 @@ from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
 from jobs.runners.load import (apply_vram_cap, bytes_text, free_host_memory, host_ram_on_load, load_pipeline_parts,
                                load_transformer, offload_config, resolve_device, resolve_dtype)
-from jobs.runners.folders import LoraError
 from jobs.runners.host_tier import choose_host_tier
-from jobs.runners.lora import export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
+from jobs.runners.lora import check_lora_format, export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
 from jobs.runners.train_parts import StepLoggers, hold_out, make_optimizer, with_trigger
 from jobs.runners.precompute import encode_items, encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event, progress_bar
@@ -231,18 +230,15 @@ class TrainRecipe:
         t = self.t
         torch.manual_seed(t.seed)  # the LoRA's initial A matrices
         self.adapted.extend(inject_lora(model, t.lora_rank, self.alpha, self.targets))
-        unnamed = [m for m in self.adapted if self.family.lora_key(m) is None]
-        if unnamed:  # found now, not when the LoRA file is written after the last step
-            raise LoraError(f"train.lora_target_modules: {unnamed[0]} has no {self.family.name} name outside "
-                            f"diffusers ({len(unnamed)} such modules); target attention/MLP projections")
+        check_lora_format(self.adapted, self.family, t.lora_format)  # now, not when the file is written at the end
         if self.latest is not None:
             from safetensors.torch import load_file
 
             load_trainable_state(model, load_file(str(self.latest / "trainable.safetensors")))
         elif t.init_lora:
-            count = load_lora_file(model, self.family, Path(t.init_lora).expanduser(), rank=t.lora_rank,
-                                   alpha=self.alpha)
-            emit_event(self.run_dir, "init_lora", path=str(t.init_lora), tensors=count)
+            applied = load_lora_file(model, self.family, Path(t.init_lora).expanduser(), rank=t.lora_rank,
+                                     alpha=self.alpha)
+            emit_event(self.run_dir, "init_lora", path=str(t.init_lora), **applied)
         if t.gradient_checkpointing:
             model.enable_gradient_checkpointing()
 
@@ -490,12 +486,13 @@ class TrainRecipe:
         lora_path = self.outputs / f"{t.output_name}.safetensors"
         metadata = {"offload_jobs.base_model": str(self.model_dir), "offload_jobs.step": step,
                     "offload_jobs.targets": ",".join(self.targets)}
-        export_lora(self.model, self.family, lora_path, rank=t.lora_rank, alpha=self.alpha, metadata=metadata)
+        export_lora(self.model, self.family, lora_path, rank=t.lora_rank, alpha=self.alpha, metadata=metadata,
+                    fmt=t.lora_format)
         ema_path = None
         if self.ema is not None:  # beside the raw one
             ema_path = self.outputs / f"{t.output_name}_ema.safetensors"
             export_lora(self.model, self.family, ema_path, rank=t.lora_rank, alpha=self.alpha,
-                        metadata={**metadata, "offload_jobs.ema_decay": t.ema}, state=self.ema)
+                        metadata={**metadata, "offload_jobs.ema_decay": t.ema}, state=self.ema, fmt=t.lora_format)
         watch = self.watch
         summary = {"done": True, "lora": str(lora_path), "family": self.family.name, "step": step,
                    "stopped_early": stopped, "checkpoints": self.ckpts.complete(),

@@ -12,6 +12,7 @@ from jobs.spec import OffloadSpec
 # Engine keys a job spec does not take under `offload:`, and why.
 NOT_IN_SPEC = {
     "debug_host_delay_ms": "test-only race shaker",
+    "debug_link_gbps": "bench-only: an emulated slower link (offload_core/link.py)",
     "record_timings": "bench-only switch",
     "timing_every": "bench-only switch (how often a settled engine times a step)",
     "use_streams": "bench-only serial baseline",

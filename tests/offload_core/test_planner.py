@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from offload_core import OffloadTrainingManager, enable_offload
+from offload_core import planner
 from offload_core.planner import choose, simulate
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
 
@@ -178,3 +179,36 @@ def test_cpu_stats_time_copies_and_predict_a_step() -> None:
     assert st["h2d_ms"] > 0 and st["h2d_gbps"] > 0
     assert st["predicted_step_ms"] > 0 and st["measured_step_ms"] > 0
     h.remove()
+
+
+# ---------------------------------------------------------------- the link rate (issue 29: consumer link tiers)
+def _measured_at(gbps: float) -> "planner.Measurements":
+    """One traced cycle of 21 units of 200 MB, one long compute window then two short ones, with the
+    copy times a ``gbps`` link gives (what replan.measure reads from the timed copies)."""
+    n, nbytes = 21, 200_000_000
+    trace = tuple(range(n))
+    return planner.Measurements(
+        trace=trace, spans=tuple(12.0 if i % 3 == 0 else 1.0 for i in trace),
+        copy_ms={u: nbytes / (gbps * 1e9) * 1e3 for u in trace}, nbytes={u: nbytes for u in trace},
+        slot_bytes=nbytes, slots=3, depth=2, sticky=frozenset(), candidates=frozenset(trace), forced=frozenset(),
+        engine_bytes=3 * nbytes, peak_bytes=4 * nbytes, limit_bytes=80 * 10**9)
+
+
+def test_a_slower_link_grows_a_deeper_ring() -> None:
+    """No budget: on a fast link the smallest ring hides every copy; on a slower one the same defaults
+    deepen it, so the long compute windows carry the copies of the short ones after them."""
+    assert planner.plan_growth(_measured_at(100.0), margin=512 << 20) is None
+    plan = planner.plan_growth(_measured_at(50.0), margin=512 << 20)
+    assert plan is not None and plan.slots > 3 and plan.depth > 2
+    assert plan.predicted_ms < plan.start_ms
+
+
+def test_a_slower_link_keeps_more_units_sticky_under_a_budget() -> None:
+    """Under a vram_budget the same bytes go to a deeper ring on a fast link, and to sticky units once
+    the link is slow enough that the copies outrun the compute (then only fewer bytes crossing
+    shortens the cycle)."""
+    plans = {g: planner.plan_budget(_measured_at(g), 3_000_000_000, grow_depth=True) for g in (50.0, 25.0, 13.0)}
+    assert not plans[50.0].sticky and plans[50.0].slots > 3
+    assert 0 < len(plans[25.0].sticky) <= len(plans[13.0].sticky), {g: len(p.sticky) for g, p in plans.items()}
+    for p in plans.values():
+        assert p.predicted_ms < p.start_ms

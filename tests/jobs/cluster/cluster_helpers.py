@@ -46,15 +46,19 @@ class ClusterWorker(WorkerProcess):
 
 
 def ledger_job(ledger: Path, *, seconds: float = 0.0, gate: Path | None = None, name: str = "j") -> dict:
-    """A command job that logs `start N <ts> <worker>`, then `end N <ts>` (or `term N <ts>` on SIGTERM)."""
+    """A command job that logs `start N <ts> <worker>`, then `end N <ts>` (or `term N <ts>` on SIGTERM).
+
+    `date` runs with SIGTERM ignored: it carries the job's tags, so a reaper stopping the job's
+    processes one by one can TERM it mid-trap, and the line would lose its timestamp."""
     f = f'"{ledger}/$OFFLOAD_JOBS_JOB_ID"'
-    body = [f"trap 'echo \"term $OFFLOAD_JOBS_ATTEMPT $(date +%s.%N)\" >> {f}; exit 143' TERM",
-            f'echo "start $OFFLOAD_JOBS_ATTEMPT $(date +%s.%N) $OFFLOAD_JOBS_WORKER_ID" >> {f}']
+    ts = '$(trap "" TERM; date +%s.%N)'
+    body = [f"trap 'echo \"term $OFFLOAD_JOBS_ATTEMPT {ts}\" >> {f}; exit 143' TERM",
+            f'echo "start $OFFLOAD_JOBS_ATTEMPT {ts} $OFFLOAD_JOBS_WORKER_ID" >> {f}']
     if gate is not None:
         body.append(f'while [ ! -e "{gate}" ]; do sleep 0.1 & wait $!; done')
     if seconds:
         body.append(f"sleep {seconds} & wait $!")
-    body.append(f'echo "end $OFFLOAD_JOBS_ATTEMPT $(date +%s.%N)" >> {f}')
+    body.append(f'echo "end $OFFLOAD_JOBS_ATTEMPT {ts}" >> {f}')
     return {"kind": "command", "name": name, "command": "; ".join(body),
             "retry": {"max_attempts": 3, "on": ["worker_lost"]}, "limits": {"stop_grace": 2}}
 

@@ -1,0 +1,136 @@
+"""debug_link_gbps (link.py): an emulated slower link, paced on every store's copies.
+
+On the CPU there is no link to slow: the pacer counts the bytes it would have held the stream
+for, which shows every H2D copy of every store (arena, bounce ring, disk cache) went through it,
+and the results stay bitwise those of the unpaced run. The pacing itself is timed on a card
+(test_gpu_link.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload_core.bounce as bounce
+from offload_core import OffloadConfig, OffloadConfigError, OffloadTrainingManager, enable_offload
+from offload_core.disk.format import load_index
+from offload_core.disk.integrate import max_memory_for
+from offload_core.shard import shard_checkpoint
+from offload_core_disk_helpers import flux_inputs, tiny_flux
+from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
+
+LINK_KEYS = {"link_gbps", "link_real_gbps", "link_paced", "link_paced_bytes", "link_paced_copies"}
+
+
+@pytest.mark.parametrize("bad", [0, -13, math.nan, math.inf, "13", True, [13]])
+def test_a_bad_rate_names_the_key(bad: object) -> None:
+    with pytest.raises(OffloadConfigError, match=r"^debug_link_gbps: must be a link rate in GB/s"):
+        OffloadConfig(debug_link_gbps=bad)  # type: ignore[arg-type]
+
+
+def test_a_rate_is_taken_as_a_float_and_none_is_the_real_link() -> None:
+    assert OffloadConfig(debug_link_gbps=13).debug_link_gbps == 13.0
+    assert OffloadConfig().debug_link_gbps is None
+
+
+def _paced_stats(st: dict) -> None:
+    assert st["link_gbps"] == 13.0
+    assert st["link_paced"] is False and st["link_real_gbps"] is None  # the CPU: counted, not slowed
+    # every byte that crossed went through the pacer, one hold per copy (a bounce store: per chunk)
+    assert st["link_paced_bytes"] == st["h2d_bytes"] > 0
+    assert st["link_paced_copies"] >= st["h2d_count"]
+
+
+@pytest.mark.parametrize("name", ["flux", "tied", "hetero"])
+def test_arena_inference_is_paced_and_bitwise(name: str) -> None:
+    case = CASES[name]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    h_a = enable_offload(a, target_device="cpu", offload_granularity="block")
+    want = infer(case, a)
+    assert not LINK_KEYS & set(h_a.stats())  # no option, no keys
+    h_b = enable_offload(b, target_device="cpu", offload_granularity="block", debug_link_gbps=13)
+    got = infer(case, b)
+    assert_bitwise(want, got, f"{name} output")
+    st = h_b.stats()
+    assert st["host_store"] == "arena"
+    _paced_stats(st)
+    h_a.remove()
+    h_b.remove()
+
+
+def test_bounce_inference_is_paced_per_chunk_and_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bounce, "DEFAULT_CHUNK", 4096)
+    monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
+    case = CASES["flux"]
+    a = case.build("frozen")
+    b = copy.deepcopy(a)
+    want = infer(case, a)
+    h = enable_offload(b, target_device="cpu", offload_granularity="block", pinned_limit="16KiB", num_copy_threads=2,
+                       debug_link_gbps=13)
+    got = infer(case, b)
+    assert_bitwise(want, got, "flux output through the ring")
+    st = h.stats()
+    assert st["host_store"] == "bounce"
+    _paced_stats(st)
+    assert st["link_paced_copies"] > st["h2d_count"]  # units of several 4 KiB chunks: one hold a chunk
+    h.remove()
+
+
+def test_lora_training_is_paced_and_bitwise() -> None:
+    case = CASES["flux"]
+    a = case.build("adapter", checkpointing=True)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = make_optimizer(a), make_optimizer(b)
+    mgr_a = OffloadTrainingManager(a, target_device="cpu")
+    mgr_b = OffloadTrainingManager(b, target_device="cpu", debug_link_gbps=13)
+    want = train(case, a, opt_a, steps=3, after_backward=mgr_a.after_backward)
+    got = train(case, b, opt_b, steps=3, after_backward=mgr_b.after_backward)
+    assert_traces_equal(want, got)
+    _paced_stats(mgr_b.stats())
+    mgr_a.remove()
+    mgr_b.remove()
+
+
+def test_disk_store_is_paced_and_bitwise(tmp_path: Path) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    ref = tiny_flux().requires_grad_(False)
+    ref.save_pretrained(tmp_path / "src")
+    shard_checkpoint(tmp_path / "src", tmp_path / "shards", progress=False)
+    index = load_index(tmp_path / "shards")
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(tmp_path / "src")).requires_grad_(False)
+    h = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(tmp_path / "shards"),
+                       max_memory=max_memory_for(index, index.units, 0.2, 2), offload_granularity="block",
+                       debug_link_gbps=13)
+    inputs = flux_inputs()
+    with torch.no_grad():
+        want = ref(**inputs, return_dict=False)[0]
+        for _ in range(2):
+            assert torch.equal(model(**inputs, return_dict=False)[0], want)
+    st = h.stats()
+    assert st["disk_reads"] > 0  # a disk store (its stats carry no host_store key yet)
+    _paced_stats(st)
+    h.remove()
+
+
+def test_without_the_option_no_pacing_code_is_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decided once at setup: an engine without debug_link_gbps copies with the plain functions."""
+    from offload_core.transfer import Transfer
+
+    monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
+    for extra in ({}, {"pinned_limit": "16KiB"}):
+        h = enable_offload(CASES["flux"].build("frozen"), target_device="cpu", offload_granularity="block", **extra)
+        t = h.engine.transfer
+        assert t.pacer is None and t._copy_in is Transfer._copy_in
+        if extra:
+            assert h.engine.store.ring.hold is bounce._no_hold
+        else:
+            assert t._h2d_copy.__func__ is Transfer._h2d_copy
+        h.remove()
