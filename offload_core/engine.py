@@ -43,7 +43,7 @@ from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, Off
 from .hostmem import trim_host_heap
 from .link import LinkPacer
 from .masters import Masters
-from .quant import UnitWidener, assign_storage, quantize
+from .quant import UnitWidener, assign_storage, pack_into
 from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
@@ -115,7 +115,7 @@ class OffloadEngine:
             self.units[uid].streamed = False
         self.prediction: dict[str, Any] = dict(residency.info, granularity=self.layout.granularity)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
-        self.lossy = assign_storage(self.streamed, config.weight_dtype)
+        self.lossy = assign_storage(self.streamed, config.weight_dtype, config.resolved_fp8_scaling)
 
         # The host store of the streamed units; it may give meta tensors their values (weights,
         # lazy_load) and turn units the shards lack resident.
@@ -242,10 +242,7 @@ class OffloadEngine:
             for i, ts in enumerate(u.tensors):
                 obj = ts.tensor()
                 with torch.no_grad():
-                    if ts.store_dtype is not None:
-                        _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
-                    else:
-                        self.store.view(u, i).copy_(obj.data)
+                    pack_into(self.store, u, i, obj.data)
                 set_data(ts, self.binder.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
