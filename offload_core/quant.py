@@ -25,6 +25,10 @@ weights is 7.1% for row, 9.5% for block and 15.8% for tensor (LoRA gradients 11.
 after tensor (4 per row: 0.13% at 3072 wide) and the cheapest widening (one broadcast multiply a
 tensor). e4m3 is a float, so one scale per tensor loses only where an outlier pushes the rest of the
 tensor towards fp8's subnormals; finer scales matter for checkpoints with such channels.
+
+A model that holds fp8 weights already (ComfyUI's fp8 checkpoints, optionally with a per-tensor
+``scale_weight``) is streamed as stored (``adopt_native_fp8``): its bytes go to the arena unchanged
+and are widened only on the device, to the model's compute dtype (``compute_dtype_of``).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from torch import nn
 
 from .units import Unit, UnitTensor
 
-__all__ = ["FP8_MAX", "BLOCK", "DEFAULT_SCALING", "SCALINGS", "UnitWidener", "assign_storage", "quantize", "widen",
+__all__ = ["FP8_MAX", "BLOCK", "adopt_native_fp8", "compute_dtype_of", "DEFAULT_SCALING", "SCALINGS", "UnitWidener", "assign_storage", "quantize", "widen",
            "fake_quantize", "is_lossy", "pack_into", "stored_value", "scale_shape", "scale_view", "storage_dtype"]
 
 FP8_MAX = 448.0
 BLOCK = 128  # block scaling's tile side
+FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALINGS = ("tensor", "row", "block")
 DEFAULT_SCALING = "row"
 
@@ -61,6 +66,34 @@ def scale_shape(shape: tuple[int, ...] | torch.Size, scaling: str) -> tuple[int,
     return (-(-rows // BLOCK), -(-cols // BLOCK))
 
 
+def compute_dtype_of(model: nn.Module) -> torch.dtype:
+    """The dtype fp8 weights a model holds as stored widen to: that of most of its other floating
+    parameter bytes (bf16 norms and biases beside ComfyUI's fp8 matrices), else bfloat16."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype not in FP8_DTYPES:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel() * p.element_size()
+    return max(counts, key=counts.__getitem__) if counts else torch.bfloat16
+
+
+def adopt_native_fp8(units: list[Unit], compute: torch.dtype) -> bool:
+    """Weights the model holds in fp8 already are stored as they are (never widened on the host):
+    each computes in ``compute``, scaled by its module's ``scale_weight`` where it has one (ComfyUI's
+    "scaled fp8"; a one-element tensor). Returns whether there were any."""
+    found = False
+    for u in units:
+        for ts in u.tensors:
+            if ts.dtype not in FP8_DTYPES or not ts.is_param or ts.trainable:
+                continue
+            found = True
+            ts.native_dtype, ts.store_dtype, ts.dtype = ts.dtype, ts.dtype, compute
+            sw = getattr(ts.module, "scale_weight", None) if ts.attr == "weight" else None
+            if isinstance(sw, torch.Tensor) and sw.numel() == 1 and sw.device.type != "meta":
+                ts.scale = float(sw.float())
+        u.layout()
+    return found
+
+
 def assign_storage(units: list[Unit], weight_dtype: str | None, scaling: str = "tensor") -> bool:
     """Give the eligible tensors of ``units`` their storage dtype (and fp8 scale layout) and lay the
     units out again.
@@ -73,12 +106,12 @@ def assign_storage(units: list[Unit], weight_dtype: str | None, scaling: str = "
         return False
     for u in units:
         for ts in u.tensors:
-            if ts.is_param and not ts.trainable and eligible(ts.tensor(), store):
+            if ts.native_dtype is None and ts.is_param and not ts.trainable and eligible(ts.tensor(), store):
                 ts.store_dtype = store
                 if store is torch.float8_e4m3fn:
                     ts.scale_shape = scale_shape(ts.shape, scaling)
         u.layout()
-    return any(is_lossy(ts.dtype, ts.store_dtype) for u in units for ts in u.tensors)
+    return any(is_lossy(ts.dtype, ts.store_dtype) for u in units for ts in u.tensors if ts.native_dtype is None)
 
 
 def is_lossy(dtype: torch.dtype, store: torch.dtype | None) -> bool:
@@ -301,7 +334,7 @@ def pack_into(store: Any, u: Unit, index: int, value: torch.Tensor) -> None:
     with its scale (a float on the UnitTensor, or row/block scales into the slab)."""
     ts = u.tensors[index]
     value = value.detach()
-    if ts.store_dtype is None:
+    if ts.store_dtype is None or value.dtype == ts.store_dtype:  # as stored (native fp8: its scale kept)
         store.view(u, index).copy_(value)
         return
     grouped = ts.scale_shape is not None

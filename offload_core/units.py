@@ -57,6 +57,9 @@ class UnitTensor:
     # fp8 row/block scaling (quant.py): the fp32 scales' shape, and their bytes into the unit's slab
     scale_shape: tuple[int, ...] | None = None
     scale_offset: int = 0
+    # the model gave this weight already in fp8 (a ComfyUI fp8 checkpoint): its bytes are packed as
+    # they are, ``dtype`` is the compute dtype it widens to, and remove() gives the fp8 bytes back
+    native_dtype: torch.dtype | None = None
     trainable: bool = False  # bound through .data so autograd accumulates into the Parameter
 
     @property

@@ -201,3 +201,56 @@ def test_load_state_dict_requantizes_with_the_scaling() -> None:
 def test_bad_scaling_names_the_key(kwargs: dict, match: str) -> None:
     with pytest.raises(OffloadConfigError, match=match):
         enable_offload(nn.Linear(4, 4), target_device="cpu", **kwargs)
+
+
+# ---------------------------------------------------------------- weights the model holds in fp8 already
+def _as_comfy_fp8(model: nn.Module, scaled: bool) -> nn.Module:
+    """model's block matrices as a ComfyUI fp8 checkpoint holds them: float8_e4m3fn parameters, and
+    with ``scaled`` a one-element ``scale_weight`` beside each (the rest stays bf16)."""
+    for m in model.blocks.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, nn.Parameter) and w.dim() >= 2:
+            q, s = quantize(w.data, torch.float8_e4m3fn) if scaled else (w.data.to(torch.float8_e4m3fn), None)
+            m.weight = nn.Parameter(q, requires_grad=False)
+            if scaled:
+                m.register_buffer("scale_weight", torch.tensor([s], dtype=torch.float32))
+    return model
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scale_weight"])
+def test_a_model_already_in_fp8_streams_as_stored(scaled: bool) -> None:
+    """No widening on the host: the arena holds the fp8 bytes (half the bf16 ones), the device widens
+    them to the model's bf16 (times scale_weight), bitwise what a resident model holding the widened
+    weights computes; remove() gives the fp8 parameters back."""
+    torch.manual_seed(0)
+    base = RaggedModel().to(torch.bfloat16).requires_grad_(False).eval()
+    for b in base.blocks:
+        b.forward = _bf16_forward.__get__(b)  # the whole model in bf16: no fp32 side path
+    fp8 = _as_comfy_fp8(copy.deepcopy(base), scaled)
+    ref = copy.deepcopy(base)
+    with torch.no_grad():  # the resident reference: the same fp8 weights widened to bf16
+        for (n, p), (_, q) in zip(ref.blocks.named_parameters(), fp8.blocks.named_parameters()):
+            if q.dtype == torch.float8_e4m3fn:
+                mod = fp8.blocks.get_submodule(n.rsplit(".", 1)[0])
+                p.copy_(widen(q, float(mod.scale_weight) if scaled else None, torch.bfloat16))
+    stored = {n: p.detach().clone() for n, p in fp8.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert stored
+    h = enable_offload(fp8, target_device="cpu", offload_granularity="block")
+    x = torch.randn(2, 5, 136, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = ref(x), fp8(x)
+    assert torch.equal(want, got)
+    fp8_bytes = sum(p.numel() for p in stored.values())
+    st = h.stats()
+    # every streamed byte is the fp8 matrices' plus the small bf16 tensors: under half of all-bf16
+    assert st["pinned_used_bytes"] < 0.55 * st["streamed_bytes"] and st["pinned_used_bytes"] > fp8_bytes
+    h.remove()
+    for n, p in fp8.named_parameters():
+        if n in stored:
+            assert p.dtype == torch.float8_e4m3fn and torch.equal(p.view(torch.uint8), stored[n].view(torch.uint8)), n
+
+
+def _bf16_forward(self: RaggedBlock, x: torch.Tensor) -> torch.Tensor:
+    x = x + self.fc2(F.gelu(self.fc1(x)))
+    x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+    return x + self.side(x)
