@@ -21,7 +21,6 @@ widths (seconds; the smoke test); ``--json PATH`` writes the numbers.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
