@@ -31,7 +31,7 @@ __all__ = ["main"]
 
 ALL_VARIANTS = [
     "resident", "resident-repeat", "ours-seed", "ours", "ours-pf2", "ours-tuned", "ours-budget50", "ours-budget7g",
-    "ours-phase", "ours-fp8", "ours-bounce", "ours-bounce-t8", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
+    "ours-phase", "ours-fp8", "ours-fp8-tensor", "ours-fp8-block", "ours-bounce", "ours-bounce-t8", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
 ]
 
 

@@ -189,8 +189,11 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-budget7g", vram_budget="7.0GiB"))
         # phase units (a block's children): a ring slot is ~151 MB instead of a 680 MB double block
         out.append(ours_variant("ours-phase", offload_granularity="phase"))
-    if wl.name == "p1":
-        out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))
+    if wl.name in ("p1", "flux-dev-lora-8g"):
+        out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))  # the default scaling (row)
+        # the other fp8 scalings, for the speed side of the quality trade (bench/RESULTS.md, "fp8 quality")
+        out.append(ours_variant("ours-fp8-tensor", weight_dtype="float8_e4m3fn", fp8_scaling="tensor"))
+        out.append(ours_variant("ours-fp8-block", weight_dtype="float8_e4m3fn", fp8_scaling="block"))
     if wl.name in ("p1", "flux-dev-lora-8g"):
         # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
         out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))

@@ -91,7 +91,7 @@ def _short_note(r: dict[str, Any]) -> str:
     if not cfg.get("use_streams", True):
         bits.append("no streams")
     if cfg.get("weight_dtype"):
-        bits.append(str(cfg["weight_dtype"]))
+        bits.append(str(cfg["weight_dtype"]) + (f" {cfg['fp8_scaling']}" if cfg.get("fp8_scaling") else ""))
     if isinstance(cfg.get("vram_budget"), (int, float)):
         b = cfg["vram_budget"]
         bits.append(f"budget {b / 1e9:.2f} GB" if b >= 1e8 else f"budget {b / 1e6:.2f} MB")

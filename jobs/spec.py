@@ -201,7 +201,12 @@ class OffloadSpec(_Strict):
     num_copy_threads: Optional[int] = Field(
         None, ge=1, le=64, description="Threads filling the bounce ring from pageable RAM (default: by core count).")
     enable_optimizer_cpu_offload: Optional[bool] = None
-    weight_dtype: Optional[str] = Field(None, description="Storage dtype, e.g. float8_e4m3fn.")
+    weight_dtype: Optional[Literal["float8_e4m3fn", "bfloat16", "float16", "float32"]] = Field(
+        None, description="Storage dtype of the streamed weights: float8_e4m3fn halves the bytes each step copies "
+                          "(LoRAs are still trained and saved in the model's dtype).")
+    fp8_scaling: Optional[Literal["tensor", "row", "block"]] = Field(
+        None, description="With weight_dtype float8_e4m3fn: one scale per tensor, per output row or per 128x128 tile "
+                          "(default row; tensor for shards).")
     vram_margin: Optional[Bytes] = Field(
         None, description="VRAM the ring's growth leaves free (default the larger of 512 MiB and 5% of the card).")
     overlap_optimizer_step: Optional[bool] = Field(
@@ -211,6 +216,16 @@ class OffloadSpec(_Strict):
     split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
     treat_as_inference: Optional[bool] = Field(
         None, description="Stream every weight as frozen (default: when no parameter is frozen).")
+
+    @model_validator(mode="after")
+    def _fp8_scaling_needs_fp8(self) -> "OffloadSpec":
+        if self.fp8_scaling is not None and self.weight_dtype != "float8_e4m3fn":
+            raise _FieldError("offload.fp8_scaling", "applies to offload.weight_dtype: float8_e4m3fn only; "
+                                                     "set that too, or remove fp8_scaling")
+        if self.fp8_scaling in ("row", "block") and (self.lazy_load or self.offload_to_disk):
+            raise _FieldError("offload.fp8_scaling", f"{self.fp8_scaling} scales are not in the shard format yet; "
+                                                     "with lazy_load or offload_to_disk use tensor (or leave it unset)")
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine keys the user set, ready for `enable_offload(model, **kwargs)`."""

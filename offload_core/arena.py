@@ -55,7 +55,7 @@ class PinnedArena:
                 self._slabs[u.uid] = hb.tensor[off: off + u.store_nbytes]
                 off += u.store_nbytes
             self._buffers.append(hb)
-            self.used_bytes += sum(t.store_nbytes for u in group for t in u.tensors)  # data, no padding
+            self.used_bytes += sum(t.store_nbytes + t.scale_nbytes for u in group for t in u.tensors)  # data, no padding
             self.capacity_bytes += hb.nbytes  # what is registered (pinned)
             self.allocated_bytes += hb._raw.numel()  # plus up to a page of alignment skew per buffer
 
@@ -114,4 +114,4 @@ class PinnedArena:
     @staticmethod
     def slack_bytes(units: list[Unit]) -> int:
         """Alignment padding the layout adds on top of the raw tensor bytes."""
-        return sum(u.store_nbytes - sum(t.store_nbytes for t in u.tensors) for u in units) + ALIGN
+        return sum(u.store_nbytes - sum(t.store_nbytes + t.scale_nbytes for t in u.tensors) for u in units) + ALIGN

@@ -98,6 +98,10 @@ class OffloadConfig:
     fused_cpu_optimizer: bool = True
     gradient_accumulation_steps: int = 1
     weight_dtype: str | None = None
+    # With weight_dtype float8_e4m3fn: one scale per tensor, per output channel ("row") or per
+    # 128 x 128 tile ("block"); quant.py. None: row for weights packed from RAM (the measured
+    # trade: bench/RESULTS.md, "fp8 quality"), tensor for shards (their format holds one scale a tensor).
+    fp8_scaling: str | None = None
     # Units bigger than this many MB (of bytes) are split into their children.
     split_threshold_mb: float | None = None
     # Copy on side streams with events; False gives the serial baseline (same code path).
@@ -168,6 +172,15 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"weight_dtype: unknown value {self.weight_dtype!r} (choose float8_e4m3fn, bfloat16, float16 or float32)"
             )
+        if self.fp8_scaling is not None:
+            if self.fp8_scaling not in ("tensor", "row", "block"):
+                raise OffloadConfigError(f"fp8_scaling: unknown value {self.fp8_scaling!r} (choose tensor, row or block)")
+            if self.weight_dtype != "float8_e4m3fn":
+                raise OffloadConfigError(f"fp8_scaling: applies to weight_dtype float8_e4m3fn only "
+                                         f"(weight_dtype is {self.weight_dtype!r})")
+            if self.fp8_scaling != "tensor" and (self.lazy_load or self.offload_to_disk):
+                raise OffloadConfigError(f"fp8_scaling: {self.fp8_scaling} scales are not in the shard format yet; "
+                                         "with lazy_load or offload_to_disk use tensor (or leave it unset)")
         if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
             raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
         if self.lazy_load and self.offload_to_disk:
@@ -191,6 +204,15 @@ class OffloadConfig:
                                                    or isinstance(self.disk_stream_slots, bool)
                                                    or self.disk_stream_slots < 1):
             raise OffloadConfigError(f"disk_stream_slots: must be a whole number >= 1, got {self.disk_stream_slots!r}")
+
+    @property
+    def resolved_fp8_scaling(self) -> str:
+        """The fp8 scaling the engine uses: the key, else the default for where the weights live."""
+        from .quant import DEFAULT_SCALING
+
+        if self.fp8_scaling is not None:
+            return self.fp8_scaling
+        return "tensor" if (self.lazy_load or self.offload_to_disk) else DEFAULT_SCALING
 
     @classmethod
     def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":

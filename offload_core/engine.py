@@ -43,7 +43,7 @@ from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, Off
 from .hostmem import trim_host_heap
 from .link import LinkPacer
 from .masters import Masters
-from .quant import UnitWidener, assign_storage, quantize
+from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into
 from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
@@ -115,7 +115,9 @@ class OffloadEngine:
             self.units[uid].streamed = False
         self.prediction: dict[str, Any] = dict(residency.info, granularity=self.layout.granularity)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
-        self.lossy = assign_storage(self.streamed, config.weight_dtype)
+        # weights the model holds in fp8 already (ComfyUI checkpoints) stream as they are, then weight_dtype
+        adopt_native_fp8(self.streamed, compute_dtype_of(model))
+        self.lossy = assign_storage(self.streamed, config.weight_dtype, config.resolved_fp8_scaling)
 
         # The host store of the streamed units; it may give meta tensors their values (weights,
         # lazy_load) and turn units the shards lack resident.
@@ -242,10 +244,7 @@ class OffloadEngine:
             for i, ts in enumerate(u.tensors):
                 obj = ts.tensor()
                 with torch.no_grad():
-                    if ts.store_dtype is not None:
-                        _, ts.scale = quantize(obj.data, ts.store_dtype, out=self.store.view(u, i))
-                    else:
-                        self.store.view(u, i).copy_(obj.data)
+                    pack_into(self.store, u, i, obj.data)
                 set_data(ts, self.binder.placeholder_for(ts))
 
     def _install_hooks(self) -> None:
@@ -558,10 +557,11 @@ class OffloadEngine:
         self.masters.flush()
         for u in self.streamed:
             for i, ts in enumerate(u.tensors):
-                value = self.masters.value(u, i)
+                # a weight given in fp8 goes back as its fp8 bytes; the rest as the model computes with it
+                value = self.store.view(u, i) if ts.native_dtype is not None else self.masters.value(u, i)
                 # into the tensor object the engine was given (a replacement the user put in its place stays)
                 own = self.binder.own(u, i)
-                own.data = value.clone() if ts.store_dtype is None else value
+                own.data = value.clone() if ts.store_dtype is None or ts.native_dtype is not None else value
         for m, attr, is_param, dev in self._resident_moved:
             t = (m._parameters if is_param else m._buffers)[attr]
             if t is not None:

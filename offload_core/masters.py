@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .errors import copied_module_error
-from .quant import quantize, widen
+from .quant import pack_into, stored_value
 from .seams import MastersHost
 from .units import Unit
 
@@ -82,9 +82,7 @@ class Masters:
 
     def value(self, u: Unit, index: int) -> torch.Tensor:
         """What tensor ``index`` of ``u`` holds: its host master, widened when it is stored narrower."""
-        ts = u.tensors[index]
-        stored = self.e.store.view(u, index)
-        return stored if ts.store_dtype is None else widen(stored, ts.scale, ts.dtype)
+        return stored_value(self.e.store, u, index)
 
     def write(self, u: Unit, index: int, value: torch.Tensor) -> None:
         """Overwrite one tensor's host master; the device copy is dropped."""
@@ -93,7 +91,7 @@ class Masters:
         e.store.master(u.uid)  # the store keeps the unit from now on (a disk store's view is a copy until then)
         with torch.no_grad():
             if ts.store_dtype is not None:
-                _, ts.scale = quantize(value.detach().to("cpu", ts.dtype), ts.store_dtype, out=e.store.view(u, index))
+                pack_into(e.store, u, index, value.detach().to("cpu", ts.dtype))
                 e.widener.forget(u.uid)
             else:
                 e.store.view(u, index).copy_(value.detach())

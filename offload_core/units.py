@@ -54,6 +54,12 @@ class UnitTensor:
     store_dtype: torch.dtype | None = None  # host/transfer dtype when it differs (fp8, bf16)
     store_offset: int = 0  # bytes into the unit's slab (storage layout)
     scale: float | None = None  # per-tensor scale of fp8 storage
+    # fp8 row/block scaling (quant.py): the fp32 scales' shape, and their bytes into the unit's slab
+    scale_shape: tuple[int, ...] | None = None
+    scale_offset: int = 0
+    # the model gave this weight already in fp8 (a ComfyUI fp8 checkpoint): its bytes are packed as
+    # they are, ``dtype`` is the compute dtype it widens to, and remove() gives the fp8 bytes back
+    native_dtype: torch.dtype | None = None
     trainable: bool = False  # bound through .data so autograd accumulates into the Parameter
 
     @property
@@ -75,6 +81,16 @@ class UnitTensor:
     @property
     def store_nbytes(self) -> int:
         return self.numel * (self.store_dtype or self.dtype).itemsize
+
+    @property
+    def scaling(self) -> str:
+        """fp8 scaling of this tensor: tensor, row or block (quant.py)."""
+        return "tensor" if self.scale_shape is None else ("row" if len(self.scale_shape) == 1 else "block")
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the fp32 row/block scales stored after the unit's tensors (0: none)."""
+        return 0 if self.scale_shape is None or self.store_dtype is None else 4 * math.prod(self.scale_shape)
 
     def tensor(self) -> torch.Tensor:
         return (self.module._parameters if self.is_param else self.module._buffers)[self.attr]
@@ -106,8 +122,18 @@ class Unit:
         When every narrower-stored tensor shares one (compute, storage) dtype pair, those tensors
         come first, at slab offsets proportional to their slot offsets: then one conversion kernel
         widens them all and one byte copy moves the rest (``widen_plan``), instead of a kernel per
-        tensor.
+        tensor. fp8 row/block scales follow, in the slab only (the widening reads them from the raw
+        copy; the slot holds the widened weights).
         """
+        self._layout_tensors()
+        soff = self.store_nbytes
+        for t in self.tensors:
+            if t.scale_nbytes:
+                t.scale_offset = soff
+                soff = _align(soff + t.scale_nbytes)
+        self.store_nbytes = soff
+
+    def _layout_tensors(self) -> None:
         self.widen_plan = None
         conv = [t for t in self.tensors if t.store_dtype is not None]
         self._converted = bool(conv)

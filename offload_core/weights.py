@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointMismatchError
-from .quant import quantize
+from .quant import pack_into
 from .units import Unit
 
 __all__ = ["fill_from_checkpoint", "fill_computed_tensors", "meta_tensor_names", "parameters_on_meta"]
@@ -241,8 +241,7 @@ def _fill(model: nn.Module, streamed: Sequence[Unit], store: Any, src: Any,
                 if ts.store_dtype is None:
                     src.read_into(name, store.view(u, i))
                 else:  # stored narrower (weight_dtype): one tensor's temporary, rounded into the slab
-                    _, ts.scale = quantize(src.read_into(name, torch.empty(ts.shape, dtype=ts.dtype)), ts.store_dtype,
-                                           out=store.view(u, i))
+                    pack_into(store, u, i, src.read_into(name, torch.empty(ts.shape, dtype=ts.dtype)))
         else:
             value = src.read_into(name, torch.empty(rec.obj.shape, dtype=rec.obj.dtype))
             rec.replace(value if device.type == "cpu" else value.to(device))
@@ -260,7 +259,4 @@ def _pack_one(store: Any, u: Unit, i: int, value: torch.Tensor) -> None:
     if value.device.type == "meta":
         raise CheckpointMismatchError(f"weights: {u.name}.{ts.attr} is on the meta device and not in the checkpoint")
     with torch.no_grad():
-        if ts.store_dtype is not None:
-            _, ts.scale = quantize(value.detach(), ts.store_dtype, out=store.view(u, i))
-        else:
-            store.view(u, i).copy_(value.detach())
+        pack_into(store, u, i, value)

@@ -73,4 +73,9 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
                                      offload.disk_stream_slots or MIN_STREAM_SLOTS, slots)
     emit_event(run_dir, Metric.host_store, host_store=TIER_DISK, reason=d.reason, shard_dir=str(got.path),
                max_memory_bytes=max_memory, **numbers)
-    return dataclasses.replace(offload, lazy_load=True, shard_dir=str(got.path), max_memory=max_memory)
+    scaling = offload.fp8_scaling
+    if scaling not in (None, "tensor"):  # the shard format holds one fp8 scale a tensor
+        _say(f"offload.fp8_scaling: {scaling} scales are not in the shard format yet; the shards use tensor")
+        scaling = "tensor"
+    return dataclasses.replace(offload, lazy_load=True, shard_dir=str(got.path), max_memory=max_memory,
+                               fp8_scaling=scaling)

@@ -34,8 +34,13 @@ def test_every_spec_key_reaches_the_engine() -> None:
     values = {"target_device": "cpu", "vram_margin": "1GiB", "overlap_optimizer_step": False,
               "fused_cpu_optimizer": False, "split_threshold_mb": 8.0, "treat_as_inference": True, "prefetch": 3,
               "lazy_load": True, "shard_dir": "/shards", "max_memory": "6GiB", "num_disk_workers": 4,
-              "disk_cache_policy": "lru", "disk_verify": True, "disk_direct": False, "disk_stream_slots": 3}
+              "disk_cache_policy": "lru", "disk_verify": True, "disk_direct": False, "disk_stream_slots": 3,
+              "weight_dtype": "float8_e4m3fn", "fp8_scaling": "tensor"}
     cfg = OffloadConfig.from_overrides(**OffloadSpec(**values).engine_kwargs())
     assert cfg.vram_margin == 1 << 30 and cfg.prefetch == 3 and cfg.fused_cpu_optimizer is False
     assert (cfg.lazy_load, cfg.max_memory, cfg.disk_cache_policy, cfg.disk_verify, cfg.disk_direct,
             cfg.disk_stream_slots) == (True, 6 << 30, "lru", True, False, 3)
+    assert (cfg.weight_dtype, cfg.fp8_scaling, cfg.resolved_fp8_scaling) == ("float8_e4m3fn", "tensor", "tensor")
+    ram = OffloadConfig.from_overrides(**OffloadSpec(weight_dtype="float8_e4m3fn", fp8_scaling="block").engine_kwargs())
+    assert ram.resolved_fp8_scaling == "block"
+    assert OffloadConfig(weight_dtype="float8_e4m3fn").resolved_fp8_scaling == "row"  # the default from RAM
