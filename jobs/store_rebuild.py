@@ -217,6 +217,10 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
                 rec = rd.read_exit(n)
                 how = (f"was still running unmanaged ({stopped} processes) and was stopped" if stopped
                        else "left no exit record")
+                if stopped and stop is None:
+                    # the rebuild's own stop ended it (its launcher may have recorded the signal in
+                    # exit.json meanwhile): its worker was lost, as for a worker that shuts down
+                    stop = "shutdown"
             else:
                 how = "had ended while no store recorded it"
             if rec is not None and rec.get("job_id") in (None, job_id):
