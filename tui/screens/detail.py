@@ -112,6 +112,9 @@ class DetailScreen(JobActions, Screen):
                 Binding("pageup", "scroll_body(-1)", "Scroll up", show=False)]
     # The summary stays above the scrolling part (charts, tabs): on a small terminal the charts
     # alone are taller than the screen, and the job's status must stay in view.
+    # No automatic focus: it scrolls the focused tabs into view, at a moment that depends on timing;
+    # the first resume focuses them without scrolling, so the screen opens at the charts.
+    AUTO_FOCUS = ""
     DEFAULT_CSS = """
     DetailScreen #summary { height: auto; max-height: 50%; padding: 0 1; border-bottom: solid $primary-darken-2; }
     DetailScreen #body { height: 1fr; }
@@ -174,8 +177,7 @@ class DetailScreen(JobActions, Screen):
             self.app.after_first_frame(self._start_feeds)
         self.sync()
         self._timer = self.set_interval(self.app.refresh_s, self.sync)
-        # Focusing the tabs scrolls them into view: open at the charts instead.
-        self.call_after_refresh(self.query_one("#body", VerticalScroll).scroll_home, animate=False)
+        self._opened = False
 
     def _start_feeds(self) -> None:
         if not self.is_attached:
@@ -291,6 +293,9 @@ class DetailScreen(JobActions, Screen):
     def on_screen_resume(self) -> None:
         self._timer.resume()
         self.sync()
+        if not self._opened:
+            self._opened = True
+            self.set_focus(self.query_one("#tabs Tabs"), scroll_visible=False)
 
     def _events_text(self) -> Text:
         seen: set[Any] = set()
