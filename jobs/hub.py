@@ -125,7 +125,7 @@ def _explain(exc: BaseException, ref: HubRef, cache: Path) -> HubError:
     return HubError(f"model.path: fetching {ref} from the hub failed: {first[:300]}")
 
 
-_UNREACHABLE = {"ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "NetworkError",
+_UNREACHABLE = {"HubUnreachable", "ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "NetworkError",
                 "LocalEntryNotFoundError", "DryRunError", "OfflineModeIsEnabled"}
 
 
@@ -137,6 +137,31 @@ def _unreachable(exc: BaseException | None) -> bool:
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
+
+
+class HubUnreachable(ConnectionError):
+    """The hub's host refused or did not answer one quick connection (no network, nothing listening)."""
+
+
+def _probe_endpoint(timeout: float = 3.0) -> None:
+    """One TCP connection to the hub's host, no retries: huggingface_hub retries a refused or timed-out
+    request five times with backoff (about 23 s) before a box without network can use its cache.
+    Skipped behind a proxy, where the proxy is what answers."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    if not url.hostname:
+        return
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        raise HubUnreachable(f"{constants.ENDPOINT}: {exc}") from exc
 
 
 def _missing(ref: HubRef, cache: Path) -> str:
@@ -195,6 +220,7 @@ def plan_fetch(ref: HubRef, cache: Path, configs_only: tuple[str, ...] = ()) -> 
 
     token = hub_token()
     try:
+        _probe_endpoint()
         patterns = _needed(_index(ref, cache, token), configs_only)
         infos = snapshot_download(ref.repo, revision=ref.revision, cache_dir=str(cache), token=token,
                                   allow_patterns=patterns, ignore_patterns=_IGNORE, dry_run=True, tqdm_class=_Progress)
