@@ -22,6 +22,9 @@ from cluster_helpers import ClusterWorker, audit, ledger, ledger_job, wait_all
 from jobs_helpers import wait_until
 from pg_helpers import PostgresServer
 
+# leases and heartbeats of a few seconds: run after the parallel part, alone (see pyproject)
+pytestmark = pytest.mark.serial
+
 TIMEOUT = 6.0
 CUT_S = [15.0, pytest.param(30.0, marks=pytest.mark.slow)]  # both well past TIMEOUT
 

@@ -23,6 +23,9 @@ from jobs_helpers import REPO, tagged_processes, wait_until
 
 from jobs.errors import SpecError
 
+# leases and heartbeats of a few seconds: run after the parallel part, alone (see pyproject)
+pytestmark = pytest.mark.serial
+
 TIMEOUT = 6.0  # heartbeat_timeout of these workers
 
 
