@@ -19,6 +19,11 @@ from jobs_helpers import REPO, WorkerProcess, tagged_processes, wait_until
 from jobs.errors import StoreError
 from jobs.executors import proctree
 
+# kill -9 and an orphan that must outlive it: run alone, after the parallel part (see pyproject).
+# Under four-way parallel runs the orphan was twice found already ended by SIGKILL before the
+# rebuild read its run dir (never seen in serial runs; the cause is not found yet).
+pytestmark = pytest.mark.serial
+
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
