@@ -44,11 +44,11 @@ def submit_job(store: JobStore, home: Path, spec: JobSpec, data: dict[str, Any],
     """(job, created): the new job, or the one an earlier submit with `key` made."""
     key = check_key(key)
     FaultPoints(home).pause("received")  # the crash tests kill the worker here: read, nothing made yet
+    store.check_file()  # before any read too: a replaced file may not even hold the tables
     if key is not None:
         prior = store.job_by_key(key)
         if prior is not None:
             return _same_spec(prior, data, key), False
-    store.check_file()
     job_id = store.new_id()
     fields = dict(kind=spec.kind, name=spec.display_name(), priority=spec.priority, gpus=spec.gpus,
                   max_attempts=spec.retry.max_attempts, job_id=job_id, executor=spec.executor,
