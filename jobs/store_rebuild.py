@@ -6,6 +6,7 @@ that the store knows nothing of: starting there would drop every such job silent
 of them still running unmanaged. So:
 
     check_history   at start: run dirs whose job the store does not hold -> StoreError naming them
+    deleting        around a delete or prune: markers a restart reads to finish a half-done delete
     rebuild         `offload-jobs worker --rebuild-store`: each such job back from its run dir:
                     spec.yaml (the job), events.jsonl (its attempts and last state), exit.json and
                     stop.json (how an attempt that was live really ended). An attempt still live
@@ -22,6 +23,8 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +35,54 @@ from jobs import strict_json
 from jobs.errors import StoreError
 from jobs.tables import attempts_t, jobs_t
 
-__all__ = ["lost_run_dirs", "check_history", "rebuild"]
+__all__ = ["lost_run_dirs", "check_history", "rebuild", "deleting", "finish_deletes"]
 
 log = logging.getLogger("offload_jobs.store")
 
 _MAX_SPEC = 1 << 20
 _MAX_EVENTS = 8 << 20
+
+
+DELETING = "deleting"  # home/deleting/<job id>: a delete in progress (written before the store row goes)
+
+
+@contextmanager
+def deleting(home: Path, job_ids: Iterable[str]) -> Iterator[None]:
+    """Mark `job_ids` as being deleted while the block removes their store rows and run dirs.
+
+    A worker that dies between the two would otherwise leave run dirs the store no longer knows,
+    and its next start would take them for a lost store and refuse. The next start finishes what a
+    marker names instead (finish_deletes). Markers go once the block ends, raised or not."""
+    marks = home / DELETING
+    marks.mkdir(mode=0o700, exist_ok=True)
+    made = []
+    try:
+        for job_id in job_ids:
+            (marks / job_id).touch()
+            made.append(marks / job_id)
+        yield
+    finally:
+        for m in made:
+            m.unlink(missing_ok=True)
+
+
+def finish_deletes(store: Any, home: Path) -> None:
+    """At start: the deletes a dead worker left half done (their markers): a run dir whose store row
+    is gone is removed; a job whose row is still there stays. The markers go."""
+    marks = home / DELETING
+    try:
+        names = os.listdir(marks)
+    except OSError:
+        return
+    dirs = _run_dirs(home)
+    with store.engine.connect() as conn:
+        known = set(conn.execute(select(jobs_t.c.id).where(jobs_t.c.id.in_(names))).scalars()) if names else set()
+    for job_id in names:
+        path = dirs.get(job_id)
+        if job_id not in known and path is not None and not path.is_symlink():
+            log.warning("removing %s: its job was deleted, then the worker stopped before the run dir went", path)
+            shutil.rmtree(path, ignore_errors=True)
+        (marks / job_id).unlink(missing_ok=True)
 
 
 def _run_dirs(home: Path) -> dict[str, Path]:
@@ -99,7 +144,8 @@ def _remove_unborn(store: Any, home: Path) -> None:
 
 def check_history(store: Any, home: Path) -> None:
     """Refuse (StoreError, one line) a store that holds none of some run dirs' jobs (after removing the
-    run dirs of submits that never committed)."""
+    run dirs of submits that never committed, and of deletes a dead worker left half done)."""
+    finish_deletes(store, home)
     _remove_unborn(store, home)
     lost = lost_run_dirs(store, home)
     if not lost:
@@ -148,6 +194,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
     """Put back every job whose run dir the store does not hold; returns them as rebuilt."""
+    finish_deletes(store, home)  # a job deleted just before the crash stays deleted
     import yaml
 
     from jobs.executors import Exit, SetupFailed, get_executor
@@ -217,9 +264,10 @@ def rebuild(store: Any, home: Path) -> list[dict[str, Any]]:
                 rec = rd.read_exit(n)
                 how = (f"was still running unmanaged ({stopped} processes) and was stopped" if stopped
                        else "left no exit record")
-                if stopped and stop is None:
-                    # the rebuild's own stop ended it (its launcher may have recorded the signal in
-                    # exit.json meanwhile): its worker was lost, as for a worker that shuts down
+                if stop is None:
+                    # No exit record before the rebuild's own stop: any record now (the launcher
+                    # saw the signal) is that stop's doing, whatever `stopped` counted (a cgroup
+                    # kill empties the group before its pids are counted): its worker was lost.
                     stop = "shutdown"
             else:
                 how = "had ended while no store recorded it"

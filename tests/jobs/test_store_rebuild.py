@@ -19,9 +19,10 @@ from jobs_helpers import REPO, WorkerProcess, tagged_processes, wait_until
 from jobs.errors import StoreError
 from jobs.executors import proctree
 
-# kill -9 and an orphan that must outlive it: run alone, after the parallel part (see pyproject).
-# Under four-way parallel runs the orphan was twice found already ended by SIGKILL before the
-# rebuild read its run dir (never seen in serial runs; the cause is not found yet).
+# kill -9 and an orphan that must outlive it, a WAL-held store copied: timing-sensitive, so run
+# alone after the parallel part (see pyproject). Load once exposed two races, both fixed: the
+# rebuild's cgroup kill counted 0 stopped processes (recorded `killed`), and a replaced store file
+# was read (its idempotency-key lookup) before the file check.
 pytestmark = pytest.mark.serial
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}

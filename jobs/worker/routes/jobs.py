@@ -17,6 +17,7 @@ from jobs import strict_json
 from jobs.errors import SpecError
 from jobs.redact import redact_job
 from jobs.spec import parse_spec
+from jobs.store_rebuild import deleting
 from jobs.worker.routes.common import WorkerContext
 from jobs.worker.routes.common import json_response as _json
 from jobs.worker.routes.common import parse_body as _parse_body
@@ -52,8 +53,10 @@ def router(ctx: WorkerContext) -> APIRouter:
 
     @router.delete("/v1/jobs/{job_id}")
     def delete(job_id: str) -> Response:
-        job = store.delete_job(job_id)
-        _remove_run_dir(home, job, ident.id if store.shared else None)
+        job_id = store.get_job(job_id)["id"]  # a prefix resolved first: the marker names the job
+        with deleting(home, [job_id]):
+            job = store.delete_job(job_id)
+            _remove_run_dir(home, job, ident.id if store.shared else None)
         return _json({"deleted": [job["id"]]})
     @router.post("/v1/prune")
     async def prune(request: Request) -> Response:
@@ -62,10 +65,11 @@ def router(ctx: WorkerContext) -> APIRouter:
         if not isinstance(older, (int, float)) or isinstance(older, bool) or older < 0:
             raise SpecError("older_than", "must be a number of seconds >= 0")
         dry = bool(body.get("dry_run"))
-        gone = await asyncio.to_thread(store.prune, time.time() - float(older), dry_run=dry)
-        if not dry:
-            for job in gone:
-                _remove_run_dir(home, job, ident.id if store.shared else None)
+        cutoff = time.time() - float(older)
+        if dry:
+            gone = await asyncio.to_thread(store.prune, cutoff, dry_run=True)
+        else:
+            gone = await asyncio.to_thread(_prune, cutoff)
         return _json({"deleted": [j["id"] for j in gone], "dry_run": dry, "jobs": [redact_job(j) for j in gone]})
 
     @router.post("/v1/jobs/{job_id}/cancel")
@@ -79,6 +83,14 @@ def router(ctx: WorkerContext) -> APIRouter:
         job = store.retry_job(job["id"], extra)
         sched.wake()
         return _json(redact_job(job))
+
+    def _prune(cutoff: float) -> list[dict[str, Any]]:
+        candidates = [j["id"] for j in store.prune(cutoff, dry_run=True)]
+        with deleting(home, candidates):
+            gone = store.prune(cutoff)
+            for job in gone:
+                _remove_run_dir(home, job, ident.id if store.shared else None)
+        return gone
 
     return router
 
