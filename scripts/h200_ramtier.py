@@ -26,7 +26,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from h200_runners import TARGETS, Worker, _dataset, _records  # noqa: E402  (the worker and dataset helpers)
+from h200_runners import TARGETS, Worker, _dataset, _records, add_flux_job_args, build_big_flux  # noqa: E402  (the worker and dataset helpers)
 
 from byte_sizes import parse_bytes  # noqa: E402
 
@@ -99,26 +98,13 @@ def _print(rep: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("/tmp/oj-ramtier"), help="Work folder (~52 GB free at full size).")
+    add_flux_job_args(p, out="/tmp/oj-ramtier", timeout=540, keep_help="Keep the model folder and the shards.")
     p.add_argument("--ram", default="16GiB", help="The job's RAM (OFFLOAD_JOBS_RAM_BUDGET).")
-    p.add_argument("--cap", default="8GiB", help="The VRAM cap (OFFLOAD_JOBS_VRAM_CAP).")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--size", type=int, default=512, help="Image side.")
-    p.add_argument("--text-tokens", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=None, help="Override the depth (smoke tests).")
-    p.add_argument("--single-blocks", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=540)
-    p.add_argument("--keep", action="store_true", help="Keep the model folder and the shards.")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model, home = args.out / "model-flux", args.out / "home"
-    cmd = [sys.executable, str(REPO / "scripts" / "make_big_pipeline.py"), "flux", str(model)]
-    cmd += ["--blocks", str(args.blocks)] if args.blocks is not None else []
-    cmd += ["--single-blocks", str(args.single_blocks)] if args.single_blocks is not None else []
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO)  # a child: this process holds none of the model's memory
+    build_big_flux(args, model)
     print(f"built the model in {time.time() - t0:.0f}s", flush=True)
     data = _dataset("flux", args.out, args.size, 1)
     worker = Worker(home, args.device)

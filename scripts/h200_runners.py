@@ -56,6 +56,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_flux_job_args(p: argparse.ArgumentParser, *, out: str, timeout: float, keep_help: str) -> None:
+    """The options the one-job Flux acceptance scripts share (h200_ramtier.py, h200_single_file.py)."""
+    p.add_argument("--out", type=Path, default=Path(out), help="Work folder (~50 GB free at full size).")
+    p.add_argument("--cap", default="8GiB", help="The VRAM cap (OFFLOAD_JOBS_VRAM_CAP).")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--size", type=int, default=512, help="Image side.")
+    p.add_argument("--text-tokens", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=None, help="Override the depth (smoke tests).")
+    p.add_argument("--single-blocks", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=timeout)
+    p.add_argument("--keep", action="store_true", help=keep_help)
+    p.add_argument("--json", type=Path, default=None)
+
+
+def build_big_flux(args: argparse.Namespace, model: Path) -> None:
+    """The random Flux-dev-dims diffusers folder, written by a child (this process holds none of it)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "make_big_pipeline.py"), "flux", str(model)]
+    cmd += ["--blocks", str(args.blocks)] if args.blocks is not None else []
+    cmd += ["--single-blocks", str(args.single_blocks)] if args.single_blocks is not None else []
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
 def _dataset(family: str, root: Path, size: int, frames: int) -> Path:
     import make_tiny_pipelines as tiny
 

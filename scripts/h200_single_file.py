@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "jobs" / "runners"))
 
-from h200_runners import TARGETS, Worker, _dataset, _records  # noqa: E402  (the worker and dataset helpers)
+from h200_runners import TARGETS, Worker, _dataset, _records, add_flux_job_args, build_big_flux  # noqa: E402  (the worker and dataset helpers)
 
 RSS_TARGET = 1.10
 
@@ -92,25 +92,12 @@ def _print(name: str, rep: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("/tmp/oj-single"), help="Work folder (~50 GB free at full size).")
-    p.add_argument("--cap", default="8GiB", help="The VRAM cap (OFFLOAD_JOBS_VRAM_CAP).")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--size", type=int, default=512, help="Image side.")
-    p.add_argument("--text-tokens", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=None, help="Override the depth (smoke tests).")
-    p.add_argument("--single-blocks", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--keep", action="store_true", help="Keep the model, the file and the conversion.")
-    p.add_argument("--json", type=Path, default=None)
+    add_flux_job_args(p, out="/tmp/oj-single", timeout=900, keep_help="Keep the model, the file and the conversion.")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model, home, bfl = args.out / "model-flux", args.out / "home", args.out / "flux1-dev-random.safetensors"
-    cmd = [sys.executable, str(REPO / "scripts" / "make_big_pipeline.py"), "flux", str(model)]
-    cmd += ["--blocks", str(args.blocks)] if args.blocks is not None else []
-    cmd += ["--single-blocks", str(args.single_blocks)] if args.single_blocks is not None else []
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO)
+    build_big_flux(args, model)
     size = write_bfl_file(model, bfl)
     print(f"built the model and its {size / 1e9:.1f} GB BFL file in {time.time() - t0:.0f}s", flush=True)
     data = _dataset("flux", args.out, args.size, 1)
