@@ -35,3 +35,13 @@ def _deterministic() -> Iterator[None]:
     yield
     torch.use_deterministic_algorithms(was)
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def no_cudnn_sdp() -> Iterator[None]:
+    """GPU training tests: torch 2.11 + cuDNN 9.19 (the H200 image) break cuDNN's SDPA backward for
+    bf16 head_dim 128 (torch issue 196678, resident too); flash and memory-efficient attention take over."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(was)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Iterator
 
 import pytest
 import torch
@@ -19,16 +18,9 @@ from offload_core import enable_offload
 from offload_core.quant import fake_quantize
 from offload_core_test_models import CASES, DiT, add_dit_lora
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp")]
 CUDA = "cuda"
 
-
-@pytest.fixture(autouse=True)
-def _no_cudnn_sdp() -> Iterator[None]:
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 @pytest.fixture(autouse=True)

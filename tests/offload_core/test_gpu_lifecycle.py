@@ -31,19 +31,10 @@ from offload_core import device as device_mod
 from offload_core import hostmem
 from offload_core_test_models import CASES, DiT, add_dit_lora, make_optimizer
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp")]
 CUDA = "cuda"
 MiB = 1 << 20
 
-
-@pytest.fixture(autouse=True)
-def _no_cudnn_sdp() -> Iterator[None]:
-    # torch 2.11 + cuDNN 9.19 (the H200 image): cuDNN's SDPA backward is broken for bf16 head_dim 128
-    # (torch issue 196678, resident too); flash and memory-efficient attention take over
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def _report(name: str, data: dict) -> None:

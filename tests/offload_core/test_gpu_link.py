@@ -8,7 +8,6 @@ the unpaced run's bit for bit.
 from __future__ import annotations
 
 import copy
-from typing import Iterator
 
 import pytest
 import torch
@@ -16,17 +15,10 @@ import torch
 from offload_core import enable_offload
 from offload_core_test_models import DiT
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp")]
 CUDA = "cuda"
 LINK = 13.0
 
-
-@pytest.fixture(autouse=True)
-def _no_cudnn_sdp() -> Iterator[None]:
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def _run(model: torch.nn.Module, **cfg: object) -> tuple[list[torch.Tensor], dict]:
