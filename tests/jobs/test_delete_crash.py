@@ -3,8 +3,10 @@ start finishes the delete instead of taking the run dir for a lost store and ref
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from jobs_helpers import WorkerProcess
 
 from jobs.contract import JobState
@@ -32,34 +34,32 @@ def _die_mid_delete(home: Path, job_id: str, *, row_deleted: bool) -> None:
             store.close()
 
 
-def test_a_restart_finishes_a_delete_its_worker_died_in(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    w = WorkerProcess(home).start()
-    try:
-        gone, kept = _two_finished_jobs(w)
-        w.stop()
-        _die_mid_delete(home, gone, row_deleted=True)  # killed between the row and the run dir
-        _die_mid_delete(home, kept, row_deleted=False)  # killed before the row went
-        assert (home / "runs" / gone).is_dir()
-        w.start()  # without the marker this start would refuse: a run dir the store does not hold
-        with w.client() as c:
-            assert [j["id"] for j in c.list()] == [kept]
-        assert not (home / "runs" / gone).exists() and (home / "runs" / kept).is_dir()
-        assert list((home / DELETING).iterdir()) == []
-    finally:
-        w.stop()
+@pytest.fixture
+def w(tmp_path: Path) -> Iterator[WorkerProcess]:
+    worker = WorkerProcess(tmp_path / "home").start()
+    yield worker
+    worker.stop()
 
 
-def test_delete_and_prune_leave_no_marker(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    w = WorkerProcess(home).start()
-    try:
-        a, b = _two_finished_jobs(w)
-        with w.client() as c:
-            c.delete(a[:6])  # a prefix: the marker still names the whole id
-            assert not (home / "runs" / a).exists()
-            c.prune(0)
-            assert c.list() == [] and not (home / "runs" / b).exists()
-        assert list((home / DELETING).iterdir()) == []
-    finally:
-        w.stop()
+def test_a_restart_finishes_a_delete_its_worker_died_in(w: WorkerProcess) -> None:
+    home = w.home
+    gone, kept = _two_finished_jobs(w)
+    w.stop()
+    _die_mid_delete(home, gone, row_deleted=True)  # killed between the row and the run dir
+    _die_mid_delete(home, kept, row_deleted=False)  # killed before the row went
+    assert (home / "runs" / gone).is_dir()
+    w.start()  # without the marker this start would refuse: a run dir the store does not hold
+    with w.client() as c:
+        assert [j["id"] for j in c.list()] == [kept]
+    assert not (home / "runs" / gone).exists() and (home / "runs" / kept).is_dir()
+    assert list((home / DELETING).iterdir()) == []
+
+
+def test_delete_and_prune_leave_no_marker(w: WorkerProcess) -> None:
+    a, b = _two_finished_jobs(w)
+    with w.client() as c:
+        c.delete(a[:6])  # a prefix: the marker still names the whole id
+        assert not (w.home / "runs" / a).exists()
+        c.prune(0)
+        assert c.list() == [] and not (w.home / "runs" / b).exists()
+    assert list((w.home / DELETING).iterdir()) == []
