@@ -124,6 +124,7 @@ def test_the_tiny_train_job_runs_through_slurm(worker: WorkerProcess, tiny: Path
         assert "LoRA written to" in log
 
 
+@pytest.mark.serial  # a time limit of seconds and Slurm's signal before it: failed once under four-way load
 def test_a_train_job_past_its_limit_checkpoints_on_the_signal(worker: WorkerProcess, past_its_limit: str) -> None:
     with worker.client() as c:
         t0 = time.monotonic()
