@@ -365,12 +365,17 @@ class TrainRecipe:
         t = self.t
         loss_value = 0.0
         self.captions_dropped = 0
+        losses = []
         for _ in range(t.gradient_accumulation_steps):
             loss = self._loss(self._next_batch())
-            value = float(loss.detach())
+            (loss / t.gradient_accumulation_steps).backward()
+            losses.append(loss.detach())
+        # One host sync per optimizer step, after the backward is queued (a read of the loss between the
+        # forward and the backward would leave the GPU idle while the backward's first kernels are issued).
+        # A non-finite loss still stops the step before the optimizer touches the weights.
+        for value in torch.stack(losses).tolist():
             if not math.isfinite(value):
                 raise NonFiniteLoss(self.progress.step + 1, value)
-            (loss / t.gradient_accumulation_steps).backward()
             loss_value += value / t.gradient_accumulation_steps
         if self.loaded.handle is not None:
             self.loaded.handle.after_backward()
