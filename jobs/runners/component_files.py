@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.errors import JobsError
+from jobs.runners.errors import CheckpointError
 
-__all__ = ["Found", "identify", "ROLES"]
+__all__ = ["Found", "identify", "ROLES", "FAMILY_ROLES", "check_parts"]
 
 # role -> (family, what the pipeline calls it)
 ROLES = {"clip_l": ("flux", "text_encoder"), "t5xxl": ("flux", "text_encoder_2"),
@@ -123,3 +124,53 @@ def identify(path: str | Path) -> Found:
     if found is not None:
         return found
     return Found("unknown", note=f"no known kind: {len(keys)} tensors, first keys {', '.join(sorted(keys)[:3]) or '(none)'}")
+
+
+# family -> {role: the pipeline's attribute}: the text encoder files each family takes
+FAMILY_ROLES = {"flux": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}, "wan": {"umt5_xxl": "text_encoder"}}
+TEXT_FIELD, VAE_FIELD = "model.text_encoders", "model.vae"
+
+
+def _not_a(path: Path, want: str, field_: str) -> CheckpointError:
+    """The error for a file that is not a `want`: what it is instead (a transformer, a VAE, ...)."""
+    from jobs.runners.single_file import detect_checkpoint
+
+    found = identify(path)
+    if found.kind == "unknown":
+        try:
+            det = detect_checkpoint(path)
+        except CheckpointError:
+            return CheckpointError(f"{field_}: {path} is not a {want}: {found.note}")
+        return CheckpointError(f"{field_}: {path} is a {det.family} transformer ({det.layout} layout), not a {want}")
+    what = "a VAE" if found.kind == "vae" else "a LoRA" if found.kind == "lora" else f"a {found.describe()}"
+    return CheckpointError(f"{field_}: {path} is {what}, not a {want}")
+
+
+def check_parts(family: str, base: Path | str, text_encoders: list[Path], vae: Path | None) -> dict[str, Path]:
+    """{pipeline attribute: file} for the text encoder and VAE files of a `family` model whose base is
+    `base`; CheckpointError naming the field, the file and what was found for a file that does not fit."""
+    parts: dict[str, Path] = {}
+    roles = FAMILY_ROLES.get(family)
+    if text_encoders and roles is None:
+        raise CheckpointError(f"{TEXT_FIELD}: text encoder files are not read for {family} models yet")
+    for path in text_encoders:
+        found = identify(path)
+        if found.kind != "text_encoder":
+            raise _not_a(path, "text encoder", TEXT_FIELD)
+        if found.role not in roles:
+            raise CheckpointError(f"{TEXT_FIELD}: {path} is a {found.role} text encoder (a {found.family} model's); "
+                                  f"{base} is a {family} model, whose text encoders are {' and '.join(roles)}")
+        attr = roles[found.role]
+        if attr in parts:
+            raise CheckpointError(f"{TEXT_FIELD}: {path} and {parts[attr]} are both {found.role} text encoders")
+        parts[attr] = path
+    if vae is not None:
+        found = identify(vae)
+        if found.kind != "vae":
+            raise _not_a(vae, "VAE", VAE_FIELD)
+        if found.family != family and not (family == "sd3" and found.family == "flux"):
+            dims = "3-D (video)" if found.family == "wan" else "2-D (image)"
+            raise CheckpointError(f"{VAE_FIELD}: {vae} is a {dims} VAE, a {found.family} model's; {base} is a {family} "
+                                  "model")
+        parts["vae"] = vae
+    return parts

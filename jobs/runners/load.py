@@ -219,10 +219,23 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
 
 
 def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,
-                        text: bool = True, vae: bool = True) -> Any:
-    """The family's pipeline without its transformer (and without text encoders or VAE if not asked)."""
+                        text: bool = True, vae: bool = True, files: dict[str, Path] | None = None) -> Any:
+    """The family's pipeline without its transformer (and without text encoders or VAE if not asked);
+    `files` (pipeline attribute -> a single file: model.text_encoders, model.vae) in place of the base's."""
     pipe_cls, _ = family.classes()
     skip: dict[str, Any] = {"transformer": None}
+    wanted = {a: f for a, f in (files or {}).items() if (vae if a == "vae" else text)}
+    if wanted:
+        from jobs.runners.component_load import load_parts
+
+        modules, said = load_parts(wanted, Path(model_dir), dtype)
+        for info in said:
+            held = bytes_text(info["held_bytes"])
+            how = (f", fp8 ({info['fp8']}) widened to {str(dtype).removeprefix('torch.')} at load: {held} held"
+                   if info["fp8"] else f", {held}")
+            print(f"[offload-jobs] {info['part']}: {info['file']} ({info['role']}, {info['layout']} names{how})",
+                  flush=True)
+        skip.update(modules)
     if not text:
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
             skip[name] = None
