@@ -9,10 +9,12 @@ VAE in the BFL/LDM layout (`ae.safetensors`) goes through diffusers' `convert_ld
 a Wan VAE in its native names through `convert_wan_vae_to_diffusers` (a VAE is small: whole).
 
 fp8 files (`t5xxl_fp8_e4m3fn`, ComfyUI's `..._fp8_e4m3fn_scaled` with a `scale_weight` per weight):
-each weight is widened to the job's dtype as it is read (`weight.to(dtype) * scale_weight`, ComfyUI's
-own formula), one tensor at a time: the encoder then holds its widened weights (the fp8 bytes are
-never all in RAM at once). Text encoders run once per job, before the transformer, under component
-offload (jobs.runners.load.component_offload), so widening at load costs RAM only while they run.
+a T5/UMT5's block weights stay fp8 as stored, each module given its `scale_weight`; the engine's
+native-fp8 storage (offload_core.quant.adopt_native_fp8) streams them as they are and widens them
+where they compute (`w8.to(dtype) * scale_weight`, ComfyUI's own formula), on the CPU too:
+component_offload always offloads such a module. Host RAM holds the fp8 bytes, not their widening.
+The other fp8 tensors (embeddings, norms, a CLIP's weights) are widened to the job's dtype as they
+are read, one at a time. The job's log says which, and the bytes held.
 
 The dtypes are those `from_pretrained(dtype=...)` gives: every float tensor in the job's dtype,
 except the class's keep-in-fp32 modules (transformers: for float16, or bfloat16 with `_strict`).
@@ -21,15 +23,16 @@ except the class's keep-in-fp32 modules (transformers: for float16, or bfloat16 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from jobs.runners.component_files import Found, identify
 from jobs.runners.errors import CheckpointError
 
-__all__ = ["load_part", "load_parts", "part_fingerprint", "widen_fp8"]
+__all__ = ["load_part", "load_parts", "part_fingerprint", "widen_fp8", "holds_fp8"]
 
 # tensors a file may carry that the module does not have: dropped without a word
 _EXTRA = ("text_projection.weight", "logit_scale", "embeddings.position_ids", "scaled_fp8", "spiece_model")
@@ -40,22 +43,35 @@ def _field(attr: str) -> str:
     return FIELDS.get(attr, "model.text_encoders")
 
 
-def widen_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
-    """fp8 weights widened to `dtype` (times their `scale_weight`, where the file has one); the other
-    tensors as they are. Returns the state and the fp8 bytes that were read."""
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# an encoder's block lists: the units the engine streams, so fp8 weights there stay fp8 (the rest is widened)
+BLOCK_RE = re.compile(r"^encoder\.block\.\d+\.")
+# the encoders whose fp8 files keep their block weights fp8: T5's and UMT5's (gigabytes). CLIP's read
+# their position table's size from the weight before it runs, which the engine's placeholder hides
+STREAMED_ROLES = ("t5xxl", "umt5_xxl")
+
+
+def widen_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype,
+              keep: Callable[[str], bool] = lambda k: False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """fp8 weights widened to `dtype` (times their `scale_weight`, where the file has one), except those
+    `keep(name)` holds, which stay as stored; the other tensors as they are. Returns the state, the
+    scales of the weights kept in fp8 (by weight name), and the fp8 parameters the file held."""
     scales = {k.removesuffix("scale_weight") + "weight": state.pop(k) for k in [k for k in state if
                                                                                   k.endswith(".scale_weight")]}
     for k in [k for k in state if k.endswith((".scale_input", "scaled_fp8"))]:
         state.pop(k)  # the input scale is for fp8 matmuls, which widening does not do; the marker says "scaled"
-    fp8 = 0
+    fp8, kept = 0, {}
     for k, t in state.items():
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if t.dtype in FP8:
             fp8 += t.numel()
+            if keep(k):
+                kept[k] = scales.get(k, torch.ones((), dtype=torch.float32)).float().reshape(())
+                continue
             wide = t.to(dtype)
             if k in scales:
                 wide = wide * scales[k].to(dtype)
             state[k] = wide
-    return state, fp8
+    return state, kept, fp8
 
 
 def _read(path: Path, prefix: str, field: str) -> dict[str, torch.Tensor]:
@@ -119,18 +135,23 @@ def _vae_state(found: Found, state: dict[str, torch.Tensor], model: torch.nn.Mod
     return state
 
 
-def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype,
+              keep_fp8: bool = True) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The pipeline's `attr` (text_encoder, text_encoder_2 or vae) built from the base's config, with the
-    file's weights; and what was loaded (for the job's log and events)."""
+    file's weights; and what was loaded (for the job's log and events). An encoder's fp8 block weights
+    stay fp8 (`keep_fp8`), each module given its `scale_weight`: the engine streams them as stored
+    (jobs.runners.load.component_offload); `keep_fp8=False` widens every one at load."""
     found = identify(path)
     field = _field(attr)
     model, cls, lib = _build(model_dir, attr, dtype)
     state = _read(path, found.prefix, field)
-    state, fp8 = widen_fp8(state, dtype)
+    streams = keep_fp8 and found.role in STREAMED_ROLES
+    keep = (lambda k: bool(BLOCK_RE.match(k))) if streams else (lambda k: False)
+    state, kept, fp8 = widen_fp8(state, dtype, keep)
     if found.kind == "vae":
         state = _vae_state(found, state, model)
     want = model.state_dict()
-    keep = _fp32_names(cls, lib, dtype)
+    keep_fp32 = _fp32_names(cls, lib, dtype)
     named: dict[str, torch.Tensor] = {}
     unknown = []
     for k, t in state.items():
@@ -139,8 +160,8 @@ def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype) -> tup
             if not k.endswith(_EXTRA):
                 unknown.append(k)
             continue
-        target = torch.float32 if any(m in name.split(".") for m in keep) else dtype
-        named[name] = t.to(target) if t.is_floating_point() else t
+        target = torch.float32 if any(m in name.split(".") for m in keep_fp32) else dtype
+        named[name] = t.to(target) if t.is_floating_point() and t.dtype not in FP8 else t
     if unknown:
         raise CheckpointError(f"{field}: {path} ({found.describe()}) holds {len(unknown)} tensor(s) the base's {attr} "
                               f"({cls.__name__}) has not: {', '.join(sorted(unknown)[:3])}")
@@ -151,10 +172,15 @@ def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype) -> tup
     if empty:
         raise CheckpointError(f"{field}: {path} ({found.describe()}) lacks {len(empty)} tensor(s) of the base's {attr} "
                               f"({cls.__name__}): {', '.join(empty[:3])}")
+    for k, scale in kept.items():  # what the engine's adopt_native_fp8 reads: one scale per module
+        name = k if k in want else k.removeprefix("text_model.")
+        model.get_submodule(name.rsplit(".", 1)[0]).register_buffer("scale_weight", scale)
     model.requires_grad_(False).eval()
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return model, {"part": attr, "file": str(path), "role": found.role or "vae", "layout": found.layout,
-                   "fp8": found.fp8, "fp8_params": fp8, "held_bytes": held}
+                   "fp8": found.fp8, "fp8_params": fp8, "fp8_kept": sum(named[k].numel() for k in named
+                                                                       if named[k].dtype in FP8),
+                   "held_bytes": held}
 
 
 def load_parts(parts: dict[str, Path], model_dir: Path, dtype: torch.dtype) -> tuple[dict[str, torch.nn.Module],
@@ -175,3 +201,8 @@ def part_fingerprint(parts: dict[str, Path], attrs: list[str]) -> str:
             st = Path(parts[attr]).stat()
             rows.append(f"{attr}={Path(parts[attr]).resolve()}:{st.st_size}:{st.st_mtime_ns}")
     return ";".join(rows)
+
+
+def holds_fp8(module: torch.nn.Module) -> bool:
+    """Whether `module` keeps fp8 weights as stored (they compute only through the engine, which widens them)."""
+    return any(p.dtype in FP8 for p in module.parameters())

@@ -230,9 +230,12 @@ def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: tor
 
         modules, said = load_parts(wanted, Path(model_dir), dtype)
         for info in said:
-            held = bytes_text(info["held_bytes"])
-            how = (f", fp8 ({info['fp8']}) widened to {str(dtype).removeprefix('torch.')} at load: {held} held"
-                   if info["fp8"] else f", {held}")
+            held, to = bytes_text(info["held_bytes"]), str(dtype).removeprefix("torch.")
+            how = f", {held}"
+            if info["fp8"]:
+                how = (f", fp8 ({info['fp8']}): {info['fp8_kept']:,} of {info['fp8_params']:,} fp8 weights kept as "
+                       f"stored, streamed by the engine and widened to {to} where they compute, the rest widened at "
+                       f"load; {held} held")
             print(f"[offload-jobs] {info['part']}: {info['file']} ({info['role']}, {info['layout']} names{how})",
                   flush=True)
         skip.update(modules)
@@ -258,8 +261,23 @@ def component_offload(module: torch.nn.Module | None, device: torch.device, budg
     """Run `module` on `device` for the duration, then give the VRAM back.
 
     On the CPU this is just running it. On a GPU the module moves whole when it fits in what is
-    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine.
+    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine. A
+    module holding fp8 weights as stored (a `model.text_encoders` fp8 file) always goes through the
+    engine, on the CPU too: it streams them as they are and widens them where they compute.
     """
+    from jobs.runners.component_load import holds_fp8
+
+    if module is not None and holds_fp8(module):
+        from offload_core import enable_offload
+
+        handle = enable_offload(module, target_device=str(device), offload_granularity="block")
+        try:
+            yield
+        finally:
+            handle.remove()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return
     if module is None or device.type == "cpu":
         yield
         return
