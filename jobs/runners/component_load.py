@@ -11,7 +11,7 @@ a Wan VAE in its native names through `convert_wan_vae_to_diffusers` (a VAE is s
 fp8 files (`t5xxl_fp8_e4m3fn`, ComfyUI's `..._fp8_e4m3fn_scaled` with a `scale_weight` per weight):
 a T5/UMT5's block weights stay fp8 as stored, each module given its `scale_weight`; the engine's
 native-fp8 storage (offload_core.quant.adopt_native_fp8) streams them as they are and widens them
-where they compute (`w8.to(dtype) * scale_weight`, ComfyUI's own formula), on the CPU too:
+where they compute (`w8 * scale_weight` taken in fp32, rounded once to the job's dtype), on the CPU too:
 component_offload always offloads such a module. Host RAM holds the fp8 bytes, not their widening.
 The other fp8 tensors (embeddings, norms, a CLIP's weights) are widened to the job's dtype as they
 are read, one at a time. The job's log says which, and the bytes held.
@@ -53,7 +53,7 @@ STREAMED_ROLES = ("t5xxl", "umt5_xxl")
 
 def widen_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype,
               keep: Callable[[str], bool] = lambda k: False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
-    """fp8 weights widened to `dtype` (times their `scale_weight`, where the file has one), except those
+    """fp8 weights widened to `dtype` (times their `scale_weight`, where the file has one, in fp32), except those
     `keep(name)` holds, which stay as stored; the other tensors as they are. Returns the state, the
     scales of the weights kept in fp8 (by weight name), and the fp8 parameters the file held."""
     scales = {k.removesuffix("scale_weight") + "weight": state.pop(k) for k in [k for k in state if
@@ -67,10 +67,8 @@ def widen_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype,
             if keep(k):
                 kept[k] = scales.get(k, torch.ones((), dtype=torch.float32)).float().reshape(())
                 continue
-            wide = t.to(dtype)
-            if k in scales:
-                wide = wide * scales[k].to(dtype)
-            state[k] = wide
+            # as the engine widens (offload_core.quant): the product in fp32, rounded once to dtype
+            state[k] = (t.float() * scales[k].float()).to(dtype) if k in scales else t.to(dtype)
     return state, kept, fp8
 
 

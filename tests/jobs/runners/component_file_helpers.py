@@ -73,9 +73,10 @@ def fp8(sd: dict[str, torch.Tensor], scaled: bool) -> dict[str, torch.Tensor]:
 
 
 def widened(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """What an fp8 file means in `dtype`: weight.to(dtype) * scale_weight (ComfyUI's formula)."""
+    """What an fp8 file means in `dtype`: weight * scale_weight, taken in fp32 and rounded once (ours, written
+    out here from the definition rather than imported from the loader)."""
     sd = dict(sd)
     sd.pop("scaled_fp8", None)
     scales = {k.removesuffix("scale_weight") + "weight": sd.pop(k) for k in [k for k in sd if k.endswith(".scale_weight")]}
-    return {k: (v.to(dtype) * scales[k].to(dtype) if k in scales else v.to(dtype)) if v.dtype == torch.float8_e4m3fn
-            else v for k, v in sd.items()}
+    return {k: ((v.float() * scales[k].float()).to(dtype) if k in scales else v.to(dtype))
+            if v.dtype == torch.float8_e4m3fn else v for k, v in sd.items()}
