@@ -132,3 +132,20 @@ def test_a_root_that_is_not_there_says_so(roots: dict[str, Path], tmp_path: Path
     text = models_text_table(body)
     assert text.splitlines()[0] == f"{tmp_path / 'nowhere'} (not there)"
     assert os.path.basename(str(roots["extra"])) in text
+
+
+def test_a_file_rewritten_after_its_conversion_reads_as_not_converted(roots: dict[str, Path]) -> None:
+    from jobs.catalog import list_models
+
+    def converted() -> bool | None:
+        body = list_models(roots["home"], roots=[roots["cache"]])
+        return next(m for m in body["models"] if m["name"] == "flux1-tiny.safetensors")["converted"]
+
+    f = roots["flux_file"]
+    st = f.stat()
+    assert converted() is True
+    try:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the cache's key would differ now
+        assert converted() is False
+    finally:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
