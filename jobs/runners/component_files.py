@@ -127,7 +127,10 @@ def identify(path: str | Path) -> Found:
 
 
 # family -> {role: the pipeline's attribute}: the text encoder files each family takes
-FAMILY_ROLES = {"flux": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}, "wan": {"umt5_xxl": "text_encoder"}}
+READ_YET = ("clip_l", "t5xxl", "umt5_xxl")  # Qwen2.5-VL files are told apart, not loaded yet
+FAMILY_ROLES: dict[str, dict[str, str]] = {}
+for _role in READ_YET:
+    FAMILY_ROLES.setdefault(ROLES[_role][0], {})[_role] = ROLES[_role][1]
 TEXT_FIELD, VAE_FIELD = "model.text_encoders", "model.vae"
 
 

@@ -44,6 +44,7 @@ def _model(spec: JobSpec) -> tuple[str, Path, Path | None, dict[str, Path]]:
     m = spec.model
     field = "model.base" if m.base else "model.path"
     skip = ("transformer",) if m.transformer is not None else ()  # its weights come from model.transformer
+    skip += _given_as_files(m.text_encoders or [], m.vae)  # and theirs from their files: a hub base fetches configs
     # a hub id: fetched here
     path = resolve_model_path(m.base or m.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"), configs_only=skip)
     model_dir = Path(path or "").expanduser().resolve()  # relative paths: from the job's workdir
@@ -63,6 +64,14 @@ def _model(spec: JobSpec) -> tuple[str, Path, Path | None, dict[str, Path]]:
         raise CheckpointError(f"model.transformer: {found.path} is a {found.family} transformer; {field} {model_dir} "
                               f"is a {family} model")
     return family, model_dir, found.path, parts
+
+
+def _given_as_files(text_encoders: list[str], vae: str | None) -> tuple[str, ...]:
+    """The pipeline parts whose weights come from files (what a hub base need not fetch but the config of)."""
+    from jobs.runners.component_files import ROLES, identify
+
+    roles = [identify(Path(f).expanduser()).role for f in text_encoders]
+    return tuple(ROLES[r][1] for r in roles if r in ROLES) + (("vae",) if vae else ())
 
 
 def host_memory() -> int:

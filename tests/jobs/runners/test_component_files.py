@@ -92,6 +92,17 @@ def test_a_file_loads_as_the_bases_module_bitwise(tiny: dict[str, Path], files: 
     assert torch.equal(_run(module, attr), _run(ref, attr))
 
 
+def test_a_hub_base_fetches_only_the_configs_of_the_parts_given_as_files(files: dict[str, Path]) -> None:
+    from jobs.runners.component_files import FAMILY_ROLES
+    from jobs.runners.inputs import _given_as_files
+
+    assert FAMILY_ROLES == {"flux": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"},
+                            "wan": {"umt5_xxl": "text_encoder"}}
+    assert _given_as_files([str(files["clip_l"]), str(files["t5xxl_fp8"])], str(files["ae"])) == (
+        "text_encoder", "text_encoder_2", "vae")
+    assert _given_as_files([str(files["umt5_xxl_scaled"])], None) == ("text_encoder",)
+
+
 def test_an_unknown_tensor_is_refused_naming_it(tiny: dict[str, Path], files: dict[str, Path]) -> None:
     odd = component_state(tiny["flux"] / "text_encoder_2")
     odd["encoder.block.0.layer.0.SelfAttention.extra.weight"] = torch.zeros(2, 2)
