@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from component_file_helpers import CLIP_PREFIX, T5_PREFIX, component_state, fp8, to_ldm_vae, widened, write_file
-from runner_helpers import infer_spec, log, run_dir, run_job, train_spec
+from runner_helpers import infer_spec, log, run_dir, train_spec
 from single_file_helpers import write_bfl
 
 from jobs.errors import SpecError
@@ -144,20 +144,18 @@ def widened_wan(tiny: dict[str, Path], files: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(worker, tiny: dict[str, Path], files: dict[str, Path], widened_wan: Path) -> dict[str, dict]:
+    """Five jobs, submitted at once (the worker runs as many side by side as it has CPU slots)."""
     flux_parts = [files["clip_l"], files["t5xxl"]]
-    out = {}
+    wan = infer_spec(tiny, "wan", prompt="a red square", steps=2)
+    wan["model"]["path"] = str(widened_wan)
+    specs = {"flux-folder": infer_spec(tiny, "flux", prompt="a red square", steps=2),
+             "flux-files": _with_files(infer_spec(tiny, "flux", prompt="a red square", steps=2), flux_parts, files["ae"]),
+             "flux-train": _with_files(train_spec(tiny, "flux", steps=2, save_every=None), flux_parts, files["ae"]),
+             "wan-widened": wan,
+             "wan-fp8": _with_files(infer_spec(tiny, "wan", prompt="a red square", steps=2), [files["umt5_xxl_scaled"]])}
     with worker.client() as c:
-        out["flux-folder"] = run_job(c, infer_spec(tiny, "flux", prompt="a red square", steps=2))
-        out["flux-files"] = run_job(c, _with_files(infer_spec(tiny, "flux", prompt="a red square", steps=2), flux_parts,
-                                                   files["ae"]))
-        out["flux-train"] = run_job(c, _with_files(train_spec(tiny, "flux", steps=2, save_every=None), flux_parts,
-                                                   files["ae"]))
-        wan = infer_spec(tiny, "wan", prompt="a red square", steps=2)
-        wan["model"]["path"] = str(widened_wan)
-        out["wan-widened"] = run_job(c, wan)
-        out["wan-fp8"] = run_job(c, _with_files(infer_spec(tiny, "wan", prompt="a red square", steps=2),
-                                                [files["umt5_xxl_scaled"]]))
-    return out
+        ids = {name: c.submit(spec)["id"] for name, spec in specs.items()}
+        return {name: c.wait(jid, timeout=300) for name, jid in ids.items()}
 
 
 def test_infer_from_encoder_and_vae_files_renders_the_folders_images(jobs: dict[str, dict], files: dict[str, Path]) -> None:
