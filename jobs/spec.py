@@ -307,12 +307,21 @@ class JobSpec(_Strict):
 
     def _model_sources(self) -> None:
         m = self.model
+        for i, f in enumerate(m.text_encoders or []):
+            if not f.strip():
+                raise _FieldError("model.text_encoders", f"item {i} must not be empty")
+        if m.vae is not None and not m.vae.strip():
+            raise _FieldError("model.vae", "must not be empty")
         if m.transformer is None:
-            if not m.path:
+            parts = bool(m.text_encoders) or m.vae is not None
+            if not m.path and not (parts and m.base):
                 raise _FieldError("model.path", f"a {self.kind} job needs `model.path` (or `model.transformer` "
                                                 "and `model.base`)")
-            if m.base:
-                raise _FieldError("model.base", "is read only with `model.transformer`; use `model.path`")
+            if m.base and not parts:
+                raise _FieldError("model.base", "is read only with `model.transformer`, `model.text_encoders` or "
+                                                "`model.vae`; use `model.path`")
+            if m.base and m.path:
+                raise _FieldError("model.base", "set `model.base` or `model.path`, not both")
             return
         if not m.transformer.strip():
             raise _FieldError("model.transformer", "must not be empty")

@@ -66,7 +66,7 @@ def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
     watch = HostMemoryWatch(run_dir)
     with watch:
         return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
-                      prompts, watch, transformer=checked.transformer)
+                      prompts, watch, transformer=checked.transformer, files=checked.parts)
 
 
 def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | None = None):
@@ -103,13 +103,14 @@ def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | 
 
 def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
            dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
-           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None) -> dict[str, Any]:
+           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None,
+           files: dict[str, Path] | None = None) -> dict[str, Any]:
     i = spec.infer
     watch.phase("encode")
     t0 = time.perf_counter()
-    pipe = load_pipeline_parts(model_dir, family, dtype)
+    pipe = load_pipeline_parts(model_dir, family, dtype, files=files)
     vae, scheduler = pipe.vae, pipe.scheduler
-    cache = make_cache(home_cache(run_dir), model_dir, family, dtype)
+    cache = make_cache(home_cache(run_dir), model_dir, family, dtype, files)
     max_len = i.max_sequence_length or family.default_max_sequence_length
     wanted = [p.prompt for p in prompts] + ([p.negative for p in prompts] if family.uses_negative else [])
     texts = encode_texts(pipe, family, cache, wanted, max_len, device, cap)

@@ -219,10 +219,26 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
 
 
 def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,
-                        text: bool = True, vae: bool = True) -> Any:
-    """The family's pipeline without its transformer (and without text encoders or VAE if not asked)."""
+                        text: bool = True, vae: bool = True, files: dict[str, Path] | None = None) -> Any:
+    """The family's pipeline without its transformer (and without text encoders or VAE if not asked);
+    `files` (pipeline attribute -> a single file: model.text_encoders, model.vae) in place of the base's."""
     pipe_cls, _ = family.classes()
     skip: dict[str, Any] = {"transformer": None}
+    wanted = {a: f for a, f in (files or {}).items() if (vae if a == "vae" else text)}
+    if wanted:
+        from jobs.runners.component_load import load_parts
+
+        modules, said = load_parts(wanted, Path(model_dir), dtype)
+        for info in said:
+            held, to = bytes_text(info["held_bytes"]), str(dtype).removeprefix("torch.")
+            how = f", {held}"
+            if info["fp8"]:
+                how = (f", fp8 ({info['fp8']}): {info['fp8_kept']:,} of {info['fp8_params']:,} fp8 weights kept as "
+                       f"stored, streamed by the engine and widened to {to} where they compute, the rest widened at "
+                       f"load; {held} held")
+            print(f"[offload-jobs] {info['part']}: {info['file']} ({info['role']}, {info['layout']} names{how})",
+                  flush=True)
+        skip.update(modules)
     if not text:
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
             skip[name] = None
@@ -245,8 +261,23 @@ def component_offload(module: torch.nn.Module | None, device: torch.device, budg
     """Run `module` on `device` for the duration, then give the VRAM back.
 
     On the CPU this is just running it. On a GPU the module moves whole when it fits in what is
-    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine.
+    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine. A
+    module holding fp8 weights as stored (a `model.text_encoders` fp8 file) always goes through the
+    engine, on the CPU too: it streams them as they are and widens them where they compute.
     """
+    from jobs.runners.component_load import holds_fp8
+
+    if module is not None and holds_fp8(module):
+        from offload_core import enable_offload
+
+        handle = enable_offload(module, target_device=str(device), offload_granularity="block")
+        try:
+            yield
+        finally:
+            handle.remove()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return
     if module is None or device.type == "cpu":
         yield
         return

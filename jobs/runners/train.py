@@ -154,6 +154,7 @@ class TrainRecipe:
         self.family = get_adapter(checked.family)
         self.model_dir = checked.model_dir
         self.transformer_file = checked.transformer
+        self.part_files = checked.parts  # model.text_encoders / model.vae
         self.items, self.val_items = hold_out(checked.items, t.validation)
         defaulted = sum(it.caption == t.default_caption for it in checked.items) if t.default_caption is not None else 0
         for it in self.items + self.val_items:
@@ -195,7 +196,7 @@ class TrainRecipe:
         t, family, items = self.t, self.family, self.items
         self.watch.phase("precompute")
         t0 = time.perf_counter()
-        pipe = load_pipeline_parts(self.model_dir, family, self.dtype)
+        pipe = load_pipeline_parts(self.model_dir, family, self.dtype, files=self.part_files)
         buckets = make_buckets(t.max_pixels, family.bucket_multiple(pipe.vae))
         for it in items + self.val_items:
             it.bucket = nearest_bucket(it.size, buckets)
@@ -203,7 +204,7 @@ class TrainRecipe:
             p.width, p.height = p.width or items[0].bucket[0], p.height or items[0].bucket[1]
         home = self.run_dir.parent.parent
         cache = make_cache(Path(t.cache_dir).expanduser() if t.cache_dir else home / "cache", self.model_dir, family,
-                           self.dtype)
+                           self.dtype, self.part_files)
         max_len = t.max_sequence_length or family.default_max_sequence_length
         wanted = [it.caption for it in items + self.val_items] + [p.prompt for p in self.prompts]
         if family.uses_negative and self.prompts:
