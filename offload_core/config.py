@@ -97,6 +97,11 @@ class OffloadConfig:
     # to calling optimizer.step() on a resident model.
     fused_cpu_optimizer: bool = True
     gradient_accumulation_steps: int = 1
+    # handle.accumulate(micro_batches, loss_fn): "micro" runs each micro-batch's forward and backward in
+    # turn (the model streams K times a step); "layer" runs all K through each unit before the next,
+    # forward and backward, so each weight crosses once as for one micro-batch, with the same gradients
+    # bitwise (lockstep.py)
+    accumulation_order: str = "micro"
     weight_dtype: str | None = None
     # With weight_dtype float8_e4m3fn: one scale per tensor, per output channel ("row") or per
     # 128 x 128 tile ("block"); quant.py. None: row for weights packed from RAM (the measured
@@ -159,6 +164,12 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"gradient_accumulation_steps: must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"
             )
+        if self.accumulation_order not in ("micro", "layer"):
+            raise OffloadConfigError(
+                f"accumulation_order: unknown value {self.accumulation_order!r} (choose micro or layer)")
+        if self.accumulation_order == "layer" and self.enable_optimizer_cpu_offload:
+            raise OffloadConfigError("accumulation_order: layer needs the trainable parameters resident; "
+                                     "enable_optimizer_cpu_offload streams them (use micro, or turn it off)")
         for key in ("overlap_optimizer_step", "treat_as_inference"):
             if getattr(self, key) not in (None, True, False):
                 raise OffloadConfigError(f"{key}: expected true, false or null, got {getattr(self, key)!r}")

@@ -22,6 +22,7 @@ Life of a streamed unit:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -42,6 +43,7 @@ from .device import resolve_device
 from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, OffloadConfigError
 from .hostmem import trim_host_heap
 from .link import LinkPacer
+from .lockstep import Lockstep
 from .masters import Masters
 from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into
 from .replan import Replanner
@@ -95,6 +97,8 @@ class OffloadEngine:
         self._last_timed = 0  # the last timed cycle
         self._span_from: tuple | None = None  # (trace position, event, cycle, uid) of the last use's start
         self._removed = False
+        self.lockstep: Lockstep | None = None  # while a layer-major group's forwards run (lockstep.py)
+        self._group_depth = 0
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
@@ -291,6 +295,27 @@ class OffloadEngine:
             self.ring.forget(uid)
 
     # ------------------------------------------------------------------ root hooks
+    def begin_group(self, lockstep: Lockstep) -> None:
+        """Layer-major accumulation (lockstep.py): K forwards of the root run as one cycle, their
+        workers switching at every streamed unit's entry; their own root hooks nest inside this one."""
+        self._group_depth = self._root_depth
+        self._root_pre(self.model, ())
+        if self._saved_hooks is not None:  # thread-local: each worker enters its own (saved_weight_refs)
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        self.counters.accumulation_groups += 1
+        self.lockstep = lockstep
+
+    def end_group(self) -> None:
+        self.lockstep = None
+        self._root_depth = self._group_depth  # a worker that failed may have left its root forward early
+
+    def saved_weight_refs(self) -> Any:
+        """The saved-tensor hooks that turn saved weight views into references (entered per thread)."""
+        if torch.is_grad_enabled() and self.streamed:
+            return torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved, self.binder.unpack_saved)
+        return contextlib.nullcontext()
+
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         self._root_depth += 1
         if self._root_depth > 1:
@@ -314,8 +339,7 @@ class OffloadEngine:
                 self._time_this_cycle()
             self._prefetch_first()
         if torch.is_grad_enabled() and self.streamed:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved,
-                                                                     self.binder.unpack_saved)
+            self._saved_hooks = self.saved_weight_refs()
             self._saved_hooks.__enter__()
 
     TIMED_FIRST = 3  # the first cycles are always timed, so stats() has readings from the start
@@ -526,6 +550,7 @@ class OffloadEngine:
             compute_ms=compute_ms,
             h2d_gbps=(c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0,
             link_stats=self.pacer.stats() if self.pacer is not None else {},
+            h2d_bytes_per_optimizer_step=c.accumulate_h2d_bytes / c.accumulate_calls if c.accumulate_calls else 0.0,
         )
 
     def reset_stats(self) -> None:

@@ -1,0 +1,273 @@
+"""Layer-major gradient accumulation: K micro-batches through each streamed unit before the next.
+
+    losses = handle.accumulate(micro_batches, loss_fn)   # loss_fn(batch) -> scalar loss (scaled by 1/K)
+    optimizer.step(); optimizer.zero_grad()
+
+With ``accumulation_order="micro"`` (the default) ``accumulate`` is the plain loop
+(``loss_fn(b).backward()`` for each batch), which streams the model K times per optimizer step. With
+``"layer"`` each weight crosses the link as often as for one micro-batch, and the gradients are
+bitwise those of the plain loop. How:
+
+- **Forward in lockstep.** One worker thread per micro-batch runs ``loss_fn(batch)``, one at a time:
+  a baton passes at every streamed unit's entry (the Binder's pre-hook calls ``arrive``), round robin
+  in micro-batch order, so the engine sees each unit K times in a row and copies it once.
+- **One backward.** ``torch.autograd.backward`` over the K losses. Autograd runs ready nodes by
+  descending sequence number; the number is counted per thread, every worker starts at 0 and runs
+  the same ops (a worker behind is padded at the baton), so the nodes of a unit's segment outnumber
+  those of the segment before it in every micro-batch: the backward (and a checkpoint's recompute)
+  is layer-major too.
+- **Same additions.** Within a segment the K micro-batches' nodes tie, so the order in which their
+  contributions would sum into one ``.grad`` is autograd's. Instead each worker sees its own alias of
+  every trainable parameter (the same storage, a leaf of its own), and the aliases' gradients are
+  added into ``.grad`` in order 1..K after the backward: the fp32 additions K ``backward()`` calls make.
+
+Limits (docs/engine.md): trainable parameters must not be streamed (optimizer offload); hooks on a
+trainable parameter do not fire (its aliases get the gradients); a forward that draws random numbers
+(dropout) draws them in another order than the plain loop; reentrant checkpointing
+(``use_reentrant=True``) accumulates into ``.grad`` directly, in autograd's order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .errors import OffloadConfigError
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["Lockstep", "accumulate"]
+
+ORDERS = ("micro", "layer")
+_PAD_LIMIT = 1 << 16  # a worker this far behind ran other code, not fewer ops: left as it is
+
+
+class _Aborted(Exception):
+    """Unwinds a parked worker when another one failed. An Exception, so torch runs the always_call
+    forward hooks on the way out (the engine's unbinding and cycle end)."""
+
+
+def _seq() -> int:
+    return torch._C._autograd._get_sequence_nr()
+
+
+class _Aliases:
+    """Per worker, a leaf of its own for every trainable parameter the forward reads from a module table."""
+
+    def __init__(self, model: nn.Module, k: int) -> None:
+        self.slots: list[tuple[dict, str, int]] = []  # (module table, name, index into params)
+        self.params: list[nn.Parameter] = []
+        index: dict[int, int] = {}
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is None or not p.requires_grad:
+                    continue
+                i = index.setdefault(id(p), len(self.params))
+                if i == len(self.params):
+                    self.params.append(p)
+                self.slots.append((m._parameters, name, i))
+        # one leaf per worker and parameter: the same storage, so the optimizer's updates reach it
+        self.per_worker = [[nn.Parameter(p.detach(), requires_grad=True) for p in self.params] for _ in range(k)]
+
+    def install(self, w: int) -> None:
+        leaves = self.per_worker[w]
+        for table, name, i in self.slots:
+            table[name] = leaves[i]
+
+    def restore(self) -> None:
+        for table, name, i in self.slots:
+            table[name] = self.params[i]
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Each parameter's gradient += the workers' in order 1..K, as K backward() calls add them."""
+        for i, p in enumerate(self.params):
+            for leaves in self.per_worker:
+                g = leaves[i].grad
+                if g is None:
+                    continue
+                leaves[i].grad = None
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+
+
+class Lockstep:
+    """Runs K callables in worker threads, one at a time, switching at every streamed unit's entry."""
+
+    def __init__(self, k: int, on_resume: Callable[[int], None], context: Callable[[], Any]) -> None:
+        self.k = k
+        self._on_resume = on_resume  # in the worker, each time it takes the baton
+        self._context = context  # entered in each worker around its callable (thread-local state)
+        self._go = [threading.Semaphore(0) for _ in range(k)]
+        self._back = threading.Semaphore(0)
+        self._local = threading.local()
+        self._seq_at = [0] * k
+        self._target = 0
+        self._abort = False
+        self._done = [False] * k
+        self.results: list[Any] = [None] * k
+        self.errors: list[BaseException | None] = [None] * k
+        self.switches = 0
+        self.padded = 0
+
+    # ------------------------------------------------------------------ in the workers
+    def arrive(self) -> None:
+        """A streamed unit is about to be entered: hand the baton on (a no-op outside the workers)."""
+        w = getattr(self._local, "index", None)
+        if w is None:
+            return
+        self._seq_at[w] = _seq()
+        self._back.release()
+        self._go[w].acquire()
+        self._resume(w)
+
+    def _resume(self, w: int) -> None:
+        if self._abort:
+            raise _Aborted
+        behind = self._target - _seq()
+        if 0 < behind <= _PAD_LIMIT:
+            # another worker ran more ops since the last switch: catch up, so segments keep their numbers' order
+            self.padded += behind
+            pad = torch.zeros((), requires_grad=True)
+            for _ in range(behind):
+                pad.view(())
+        self._on_resume(w)
+
+    def _body(self, w: int, fn: Callable[[], Any]) -> None:
+        self._local.index = w
+        self._go[w].acquire()
+        try:
+            self._resume(w)
+            with self._context():
+                self.results[w] = fn()
+        except _Aborted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self.errors[w] = exc
+        finally:
+            self._done[w] = True
+            self._back.release()
+
+    # ------------------------------------------------------------------ in the caller
+    def run(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
+        threads = [threading.Thread(target=self._body, args=(w, fn), name=f"offload-lockstep-{w}", daemon=True)
+                   for w, fn in enumerate(fns)]
+        for t in threads:
+            t.start()
+        alive = list(range(self.k))
+        try:
+            while alive:
+                self._target = max(self._seq_at[w] for w in alive)
+                for w in alive:
+                    self._turn(w)
+                    if self.errors[w] is not None and not self._abort:
+                        self._abort = True
+                alive = [w for w in alive if not self._done[w]]
+                self.switches += len(alive)
+        finally:
+            if not all(self._done):  # a KeyboardInterrupt in the caller: unwind the parked workers
+                self._abort = True
+                for w in range(self.k):
+                    if not self._done[w]:
+                        self._turn(w)
+            for t in threads:
+                t.join()
+        first = next((e for e in self.errors if e is not None), None)
+        if first is not None:
+            raise first
+        return self.results
+
+    def _turn(self, w: int) -> None:
+        self._go[w].release()
+        self._back.acquire()
+
+
+def _check_order(order: str) -> str:
+    if order not in ORDERS:
+        raise OffloadConfigError(f"accumulation_order: unknown value {order!r} (choose {' or '.join(ORDERS)})")
+    return order
+
+
+def _loss_of(result: Any) -> torch.Tensor:
+    loss = result[0] if isinstance(result, (tuple, list)) else result
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"accumulate: loss_fn must return a loss tensor (or a tuple that starts with one), "
+                        f"got {type(loss).__name__}")
+    return loss
+
+
+def _detached(result: Any) -> Any:
+    if isinstance(result, torch.Tensor):
+        return result.detach()
+    if isinstance(result, (tuple, list)):
+        return type(result)(_detached(r) for r in result)
+    return result
+
+
+def accumulate(engine: OffloadEngine, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any],
+               order: str | None = None) -> list[Any]:
+    """Forward and backward of every micro-batch, gradients accumulated into ``.grad`` (see the module doc).
+
+    Returns what ``loss_fn`` returned for each batch, detached."""
+    order = _check_order(order or engine.config.accumulation_order)
+    batches = list(micro_batches)
+    before = engine.counters.h2d_bytes
+    try:
+        if order == "micro" or len(batches) <= 1 or not engine.streamed:
+            results = []
+            for b in batches:
+                out = loss_fn(b)
+                _loss_of(out).backward()
+                results.append(_detached(out))
+            return results
+        return _layer_major(engine, batches, loss_fn)
+    finally:
+        engine.counters.accumulate_calls += 1
+        engine.counters.accumulate_h2d_bytes += engine.counters.h2d_bytes - before
+
+
+def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[Any], Any]) -> list[Any]:
+    if any(u.trainable for u in engine.streamed):
+        raise OffloadConfigError(
+            "accumulation_order: layer needs the trainable parameters resident; with enable_optimizer_cpu_offload "
+            "they stream (use accumulation_order: micro)")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("accumulate: called with grad disabled (torch.no_grad): there is nothing to accumulate")
+    k = len(batches)
+    aliases = _Aliases(engine.model, k)
+    grad_on = torch.is_grad_enabled()
+    stream = engine.transfer.compute_stream() if engine.is_cuda else None
+    autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)]
+
+    @contextlib.contextmanager
+    def worker_state() -> Any:
+        # what is thread-local in torch and a new thread would not see: grad mode, the stream, autocast,
+        # and the engine's saved-tensor hooks (weights saved as references)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad_on))
+            if stream is not None:
+                stack.enter_context(torch.cuda.stream(stream))
+            for dev, dtype in autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            stack.enter_context(engine.saved_weight_refs())
+            yield
+
+    ls = Lockstep(k, aliases.install, worker_state)
+    engine.begin_group(ls)
+    try:
+        results = ls.run([lambda b=b: loss_fn(b) for b in batches])
+    finally:
+        aliases.restore()
+        engine.end_group()
+    losses = [_loss_of(r) for r in results]
+    torch.autograd.backward(losses)
+    aliases.reduce()
+    engine.counters.lockstep_switches += ls.switches
+    return [_detached(r) for r in results]
