@@ -30,6 +30,7 @@ from .errors import (
     OptimizerOverlapError,
     ShardError,
     VramBudgetError,
+    LayerOrderError,
 )
 from .pipeline import PipelineOffload, enable_pipeline_offload
 from .hoststore import HostStore
@@ -56,6 +57,7 @@ __all__ = [
     "PipelineOffload",
     "ShardError",
     "VramBudgetError",
+    "LayerOrderError",
     "enable_offload",
     "enable_pipeline_offload",
     "parse_bytes",

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .errors import OffloadConfigError
+from .errors import LayerOrderError, OffloadConfigError
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -54,6 +54,18 @@ class _Aborted(Exception):
 
 def _seq() -> int:
     return torch._C._autograd._get_sequence_nr()
+
+
+def _rng_mark() -> tuple:
+    """Where the default generators stand: a draw between two marks moves one."""
+    cpu = torch.random.default_generator.get_state()
+    if not torch.cuda.is_initialized():
+        return (cpu,)
+    return (cpu, tuple(g.get_offset() for g in torch.cuda.default_generators))
+
+
+def _same_mark(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 class _Aliases:
@@ -116,6 +128,8 @@ class Lockstep:
         self.errors: list[BaseException | None] = [None] * k
         self.switches = 0
         self.padded = 0
+        self._rng: list[tuple | None] = [None] * k  # each worker's generators' mark when it took the baton
+        self.drew_random = False  # a draw inside the model, between two unit entries (see _layer_major)
 
     # ------------------------------------------------------------------ in the workers
     def arrive(self) -> None:
@@ -124,9 +138,13 @@ class Lockstep:
         if w is None:
             return
         self._seq_at[w] = _seq()
+        mark = self._rng[w]
+        if mark is not None and not self.drew_random and not _same_mark(mark, _rng_mark()):
+            self.drew_random = True
         self._back.release()
         self._go[w].acquire()
         self._resume(w)
+        self._arrived(w)
 
     def _resume(self, w: int) -> None:
         if self._abort:
@@ -139,6 +157,10 @@ class Lockstep:
             for _ in range(behind):
                 pad.view(())
         self._on_resume(w)
+
+    def _arrived(self, w: int) -> None:
+        """From its first unit on, a worker's segments lie inside the model: watch them for random draws."""
+        self._rng[w] = _rng_mark()
 
     def _body(self, w: int, fn: Callable[[], Any]) -> None:
         self._local.index = w
@@ -244,6 +266,7 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
     aliases = _Aliases(engine.model, k)
     grad_on = torch.is_grad_enabled()
     stream = engine.transfer.compute_stream() if engine.is_cuda else None
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)]
 
     @contextlib.contextmanager
@@ -252,6 +275,8 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
         # and the engine's saved-tensor hooks (weights saved as references)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(grad_on))
+            if device is not None:
+                stack.enter_context(torch.cuda.device(device))
             if stream is not None:
                 stack.enter_context(torch.cuda.stream(stream))
             for dev, dtype in autocast:
@@ -266,6 +291,13 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
     finally:
         aliases.restore()
         engine.end_group()
+    if ls.drew_random:
+        # a checkpoint stashes the generator's state at its entry, where every worker stood at once, and
+        # replays each block's draws from there: they would not be the draws its forward made
+        raise LayerOrderError(
+            "accumulation_order: layer: the model's forward draws random numbers (dropout > 0?), which layer-major "
+            "order cannot replay as a plain loop draws them; set the model's dropout to 0 or use accumulation_order: "
+            "micro (no gradients were accumulated)")
     losses = [_loss_of(r) for r in results]
     torch.autograd.backward(losses)
     aliases.reduce()

@@ -199,3 +199,44 @@ def test_engine_dropped_without_remove_after_layer_major_steps() -> None:
     gc.collect()
     assert engine() is None, "the engine outlived its model and handle"
     assert not [t for t in threading.enumerate() if t.name.startswith("offload-lockstep")]
+
+
+def test_noise_drawn_before_the_model_keeps_the_plain_loops_draws() -> None:
+    # A trainer draws each micro-batch's noise in loss_fn, before the model: layer-major order draws
+    # them in the same order (micro-batch 1's, then 2's, ...), so the gradients stay the plain loop's.
+    case = CASES["flux"]
+    a = case.build("adapter", checkpointing=True)
+    b = copy.deepcopy(a)
+
+    def noisy(model: torch.nn.Module):
+        def loss_fn(seed: int) -> torch.Tensor:
+            inputs = case.make_inputs(seed)
+            torch.manual_seed(0) if seed == 1000 else None  # one seed a step: later draws come from the stream
+            inputs["hidden_states"] = inputs["hidden_states"] + torch.randn_like(inputs["hidden_states"])
+            return case.loss(case.forward(model, inputs), seed) / 3
+        return loss_fn
+
+    fn = noisy(a)
+    for seed in _batches(0, 3):
+        fn(seed).backward()
+    handle = enable_offload(b, target_device="cpu", accumulation_order="layer")
+    handle.accumulate(_batches(0, 3), noisy(b))
+    _assert_grads_equal([trainable_grads(a)], [trainable_grads(b)])
+    handle.remove()
+
+
+def test_dropout_inside_the_model_is_refused_before_any_gradient() -> None:
+    # Checkpointed blocks replay their draws from where the generator stood at the block's entry; in
+    # lockstep every micro-batch stood there at once, so the replay would not match: named, not silent.
+    from offload_core import LayerOrderError
+
+    case = CASES["toy"]
+    model = case.build("adapter", checkpointing=True)
+    model.layers[4].register_forward_hook(lambda m, args, out: torch.nn.functional.dropout(out, 0.1, training=True))
+    handle = enable_offload(model, target_device="cpu", accumulation_order="layer")
+    with pytest.raises(LayerOrderError, match="accumulation_order: layer: the model's forward draws random numbers"):
+        handle.accumulate(_batches(0, 2), _loss_fn(case, model, 2))
+    assert all(p.grad is None for p in model.parameters())
+    handle.accumulate(_batches(0, 2), _loss_fn(case, model, 2), order="micro")  # the plain loop still runs
+    assert any(p.grad is not None for p in model.parameters())
+    handle.remove()
