@@ -136,6 +136,7 @@ class EngineStats(TypedDict, total=False):
     cache_misses: int
     cache_evictions: int
     h2d_bytes: int
+    h2d_bytes_per_optimizer_step: float  # over the steps so far: the weights' crossings each step (train.accumulation_order)
     h2d_gbps: float
     disk_gbps: float  # a disk-backed store only (lazy_load, offload_to_disk)
     stall_ms: float  # cumulative

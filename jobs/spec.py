@@ -298,6 +298,10 @@ class JobSpec(_Strict):
         if contract.Reason.CANCELLED in self.retry.on:
             raise _FieldError("retry.on", "a cancelled job is never retried; remove `cancelled`")
         self._move_offload_keys()
+        if self.kind == "train" and self.train.accumulation_order == "layer" and self.offload.enable_optimizer_cpu_offload:
+            raise _FieldError("train.accumulation_order", "layer needs the LoRA weights resident; "
+                                                          "offload.enable_optimizer_cpu_offload streams them (use micro, "
+                                                          "or turn optimizer offload off)")
         env_bytes = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) + 2 for k, v in self.env.items())
         cmd = self.command if isinstance(self.command, list) else [self.command or ""]
         if env_bytes + sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in cmd) > MAX_ARGV_TOTAL:

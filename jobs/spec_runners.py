@@ -126,6 +126,11 @@ class TrainSpec(_Strict):
     num_epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Passes over the dataset (instead of steps).")
     batch_size: int = Field(1, ge=1, le=65536, description="Items per micro-batch, all from one aspect bucket.")
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
+    accumulation_order: Literal["micro", "layer"] = Field(
+        "micro", description="With gradient_accumulation_steps > 1: micro runs each micro-batch's forward and backward "
+                             "in turn (the weights stream once per micro-batch); layer runs all of them through each "
+                             "block before the next, so the weights stream once per optimizer step, with the same "
+                             "gradients bitwise (not with offload.enable_optimizer_cpu_offload, nor dropout).")
     learning_rate: float = Field(1e-4, gt=0.0, le=1e32)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0, le=10**9)

@@ -88,6 +88,7 @@ def offload_config(spec: JobSpec, device: torch.device, *, training: bool) -> An
     keys["target_device"] = str(device)
     if training:
         keys.setdefault("treat_as_inference", False)  # trainable parameters get gradients: never streamed as frozen
+        keys["accumulation_order"] = spec.train.accumulation_order
         if keys.get("enable_optimizer_cpu_offload") and spec.train.gradient_accumulation_steps > 1:
             keys["gradient_accumulation_steps"] = spec.train.gradient_accumulation_steps
     else:

@@ -364,20 +364,31 @@ class TrainRecipe:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over gradient_accumulation_steps micro-batches: the mean loss and the grad norm."""
         t = self.t
-        loss_value = 0.0
+        k = t.gradient_accumulation_steps
         self.captions_dropped = 0
-        losses = []
-        for _ in range(t.gradient_accumulation_steps):
-            loss = self._loss(self._next_batch())
-            (loss / t.gradient_accumulation_steps).backward()
-            losses.append(loss.detach())
+        batches = [self._next_batch() for _ in range(k)]
+
+        def loss_fn(batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = self._loss(batch)
+            return loss / k, loss.detach()
+
+        if self.loaded.handle is not None:
+            # the engine runs the micro-batches in train.accumulation_order (layer: each block once for all k)
+            losses = [raw for _, raw in self.loaded.handle.accumulate(batches, loss_fn)]
+        else:
+            losses = []
+            for batch in batches:
+                scaled, raw = loss_fn(batch)
+                scaled.backward()
+                losses.append(raw)
         # One host sync per optimizer step, after the backward is queued (a read of the loss between the
         # forward and the backward would leave the GPU idle while the backward's first kernels are issued).
         # A non-finite loss still stops the step before the optimizer touches the weights.
+        loss_value = 0.0
         for value in torch.stack(losses).tolist():
             if not math.isfinite(value):
                 raise NonFiniteLoss(self.progress.step + 1, value)
-            loss_value += value / t.gradient_accumulation_steps
+            loss_value += value / k
         if self.loaded.handle is not None:
             self.loaded.handle.after_backward()
         grad_norm = None

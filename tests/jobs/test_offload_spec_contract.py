@@ -17,6 +17,7 @@ NOT_IN_SPEC = {
     "timing_every": "bench-only switch (how often a settled engine times a step)",
     "use_streams": "bench-only serial baseline",
     "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
+    "accumulation_order": "set by train.accumulation_order",
     "weights": "set by the runners: model.path's transformer is read into the engine",
 }
 # Spec keys that are no engine key: the runner reads them (jobs.runners.load.offload_config).
