@@ -42,6 +42,13 @@ def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
         return infer
 
     def train() -> torch.Tensor:
+        if sess.micro_batches > 1:
+            # one optimizer step over K copies of the inputs; the mean of K equal losses is the loss
+            k = sess.micro_batches
+            losses = sess.accumulate([inputs] * k, lambda b: wl.loss(sess.model, b) / k)
+            sess.optimizer.step()
+            sess.optimizer.zero_grad(set_to_none=True)
+            return torch.stack(losses).sum().detach().clone()
         loss = wl.loss(sess.model, inputs)
         loss.backward()
         if sess.after_backward is not None:
