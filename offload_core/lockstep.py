@@ -124,6 +124,7 @@ class Lockstep:
         self._target = 0
         self._abort = False
         self._done = [False] * k
+        self._holder: int | None = None  # the worker holding the baton, while the caller waits for it
         self.results: list[Any] = [None] * k
         self.errors: list[BaseException | None] = [None] * k
         self.switches = 0
@@ -196,6 +197,9 @@ class Lockstep:
         finally:
             if not all(self._done):  # a KeyboardInterrupt in the caller: unwind the parked workers
                 self._abort = True
+                if self._holder is not None:  # the one running now parks (or ends) first: one at a time
+                    self._back.acquire()
+                    self._holder = None
                 for w in range(self.k):
                     if not self._done[w]:
                         self._turn(w)
@@ -207,8 +211,10 @@ class Lockstep:
         return self.results
 
     def _turn(self, w: int) -> None:
+        self._holder = w
         self._go[w].release()
         self._back.acquire()
+        self._holder = None
 
 
 def _check_order(order: str) -> str:
