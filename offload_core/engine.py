@@ -99,6 +99,7 @@ class OffloadEngine:
         self._removed = False
         self.lockstep: Lockstep | None = None  # while a layer-major group's forwards run (lockstep.py)
         self._group_depth = 0
+        self.lockstep_widths: dict[int, list[int]] = {}  # per K, each round's segment length last time (lockstep.py)
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)

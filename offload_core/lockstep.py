@@ -12,14 +12,14 @@ bitwise those of the plain loop. How:
   a baton passes at every streamed unit's entry (the Binder's pre-hook calls ``arrive``), round robin
   in micro-batch order, so the engine sees each unit K times in a row and copies it once.
 - **One backward.** ``torch.autograd.backward`` over the K losses. Autograd runs ready nodes by
-  descending sequence number; the number is counted per thread, every worker starts at 0 and runs
-  the same ops (a worker behind is padded at the baton), so the nodes of a unit's segment outnumber
-  those of the segment before it in every micro-batch: the backward (and a checkpoint's recompute)
-  is layer-major too.
-- **Same additions.** Within a segment the K micro-batches' nodes tie, so the order in which their
-  contributions would sum into one ``.grad`` is autograd's. Instead each worker sees its own alias of
-  every trainable parameter (the same storage, a leaf of its own), and the aliases' gradients are
-  added into ``.grad`` in order 1..K after the backward: the fp32 additions K ``backward()`` calls make.
+  descending sequence number, a number each thread counts for itself. At every hand-over a worker
+  skips ahead to its range for the next segment (``Lockstep._number_round``): each segment's ranges
+  lie above all of the last segment's, so the backward (and a checkpoint's recompute) is layer-major
+  too, and within a segment micro-batch 1's range lies above 2's, ..., so the backward finishes one
+  micro-batch's part of a unit before the next starts (one recompute's activations alive, not K).
+- **Same additions.** Each worker sees its own alias of every trainable parameter (the same storage,
+  a leaf of its own), and the aliases' gradients are added into ``.grad`` in order 1..K after the
+  backward: the fp32 additions K ``backward()`` calls make, whatever order autograd ran in.
 
 Limits (docs/engine.md): trainable parameters must not be streamed (optimizer offload); hooks on a
 trainable parameter do not fire (its aliases get the gradients); a forward that draws random numbers
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["Lockstep", "accumulate"]
 
 ORDERS = ("micro", "layer")
-_PAD_LIMIT = 1 << 16  # a worker this far behind ran other code, not fewer ops: left as it is
+_PAD_LIMIT = 1 << 18  # most sequence numbers a worker skips in one round (see Lockstep._number_round)
 
 
 class _Aborted(Exception):
@@ -113,15 +113,21 @@ class _Aliases:
 class Lockstep:
     """Runs K callables in worker threads, one at a time, switching at every streamed unit's entry."""
 
-    def __init__(self, k: int, on_resume: Callable[[int], None], context: Callable[[], Any]) -> None:
+    def __init__(self, k: int, on_resume: Callable[[int], None], context: Callable[[], Any],
+                 widths: Sequence[int] = ()) -> None:
         self.k = k
+        # each round's segment length (autograd nodes a worker creates between two hand-overs), from the
+        # last call: the room each micro-batch's range of sequence numbers gets (see _number_round)
+        self._history = list(widths)
+        self.widths: list[int] = []  # this call's, for the next one
         self._on_resume = on_resume  # in the worker, each time it takes the baton
         self._context = context  # entered in each worker around its callable (thread-local state)
         self._go = [threading.Semaphore(0) for _ in range(k)]
         self._back = threading.Semaphore(0)
         self._local = threading.local()
         self._seq_at = [0] * k
-        self._target = 0
+        self._start = [0] * k  # each worker's sequence number when its current segment began
+        self._target = [0] * k
         self._abort = False
         self._done = [False] * k
         self._holder: int | None = None  # the worker holding the baton, while the caller waits for it
@@ -150,13 +156,15 @@ class Lockstep:
     def _resume(self, w: int) -> None:
         if self._abort:
             raise _Aborted
-        behind = self._target - _seq()
+        behind = self._target[w] - _seq()
         if 0 < behind <= _PAD_LIMIT:
-            # another worker ran more ops since the last switch: catch up, so segments keep their numbers' order
+            # skip to this worker's range of sequence numbers for the round (_number_round): one tiny
+            # autograd node a number, dropped at once
             self.padded += behind
             pad = torch.zeros((), requires_grad=True)
             for _ in range(behind):
                 pad.view(())
+        self._start[w] = _seq()
         self._on_resume(w)
 
     def _arrived(self, w: int) -> None:
@@ -187,12 +195,14 @@ class Lockstep:
         alive = list(range(self.k))
         try:
             while alive:
-                self._target = max(self._seq_at[w] for w in alive)
+                self._number_round(alive)
                 for w in alive:
                     self._turn(w)
                     if self.errors[w] is not None and not self._abort:
                         self._abort = True
                 alive = [w for w in alive if not self._done[w]]
+                if alive:
+                    self.widths.append(max(self._seq_at[w] - self._start[w] for w in alive))
                 self.switches += len(alive)
         finally:
             if not all(self._done):  # a KeyboardInterrupt in the caller: unwind the parked workers
@@ -209,6 +219,21 @@ class Lockstep:
         if first is not None:
             raise first
         return self.results
+
+    def _number_round(self, alive: list[int]) -> None:
+        """Each worker's first sequence number this round. Autograd runs ready nodes by descending
+        number: every round starts above all of the last one (the backward is layer-major), and
+        within a round micro-batch 1 gets the top range, 2 the one below, ..., each as wide as the
+        round's segment was in the last call (or the widest so far), so the backward finishes one
+        micro-batch's segment before the next starts its own: one checkpoint recompute alive at a
+        time, not K. A width guessed short only lets neighbours' nodes interleave."""
+        r = len(self.widths)
+        width = self._history[r] if r < len(self._history) else max(self.widths, default=0)
+        if width * (self.k - 1) > _PAD_LIMIT:
+            width = 0  # a huge segment: the numbers tie within the round (more recomputes alive at once)
+        base = max(self._seq_at[w] for w in alive)
+        for w in alive:
+            self._target[w] = base + (self.k - 1 - w) * width
 
     def _turn(self, w: int) -> None:
         self._holder = w
@@ -290,7 +315,8 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
             stack.enter_context(engine.saved_weight_refs())
             yield
 
-    ls = Lockstep(k, aliases.install, worker_state)
+    history = engine.lockstep_widths.get(k, [])
+    ls = Lockstep(k, aliases.install, worker_state, history)
     engine.begin_group(ls)
     try:
         results = ls.run([lambda b=b: loss_fn(b) for b in batches])
@@ -308,4 +334,6 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
     torch.autograd.backward(losses)
     aliases.reduce()
     engine.counters.lockstep_switches += ls.switches
+    engine.counters.lockstep_pad_nodes += ls.padded
+    engine.lockstep_widths[k] = ls.widths
     return [_detached(r) for r in results]

@@ -58,6 +58,7 @@ class Counters:
     accumulate_h2d_bytes: int = 0  # H2D bytes copied inside accumulate() calls
     accumulation_groups: int = 0  # of them, layer-major ones (accumulation_order="layer")
     lockstep_switches: int = 0  # micro-batch switches at unit entries in layer-major forwards
+    lockstep_pad_nodes: int = 0  # sequence numbers skipped to order the layer-major backward (lockstep.py)
 
     UNREPORTED = ("timed_h2d_bytes",)  # feeds the copy rate (h2d_gbps) only
 
@@ -107,6 +108,7 @@ class EngineStats:
     accumulate_h2d_bytes: int
     accumulation_groups: int
     lockstep_switches: int
+    lockstep_pad_nodes: int
     steps: int
     planning: bool
     trace_length: int

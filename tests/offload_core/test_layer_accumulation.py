@@ -247,3 +247,42 @@ def test_dropout_inside_the_model_is_refused_before_any_gradient() -> None:
     handle.accumulate(_batches(0, 2), _loss_fn(case, model, 2), order="micro")  # the plain loop still runs
     assert any(p.grad is not None for p in model.parameters())
     handle.remove()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+def test_backward_finishes_each_micro_batch_in_a_unit_before_the_next(checkpointing: bool) -> None:
+    # Micro-batch 1's nodes of a unit's segment (from its entry to the next unit's) outnumber 2's, ...:
+    # the backward runs one micro-batch's part of a segment (one checkpoint recompute alive) before the
+    # next's, and every micro-batch's part before the segment before it (layer-major). Recorded: when
+    # the node that made each layer's output runs, for which micro-batch.
+    case = CASES["toy"]
+    model = case.build("adapter", checkpointing=checkpointing)
+    log: list[tuple[int, int]] = []
+
+    def watch(i: int):
+        def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if out.requires_grad and torch._C._current_graph_task_id() == -1:
+                mb = int(threading.current_thread().name.rsplit("-", 1)[1])
+                out.register_hook(lambda g: log.append((i, mb)))
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(watch(i))
+    handle = enable_offload(model, target_device="cpu", accumulation_order="layer")
+    anchors = [i for i, layer in enumerate(model.layers) if any(u.anchor is layer for u in handle.engine.streamed)]
+    assert len(anchors) == 5  # the frozen layers stream; the trainable ones stay resident
+
+    def segment(i: int) -> int:
+        return max(a for a in anchors if a <= i)
+
+    for call in range(3):
+        log.clear()
+        handle.accumulate(_batches(call, 4), _loss_fn(case, model, 4))
+        order = [(segment(i), mb) for i, mb in log]
+        order = [x for k, x in enumerate(order) if k == 0 or order[k - 1] != x]
+        segments = [a for a, _ in order]
+        assert segments == sorted(segments, reverse=True), f"call {call}: not layer-major: {order}"
+        if call > 0:  # the first call sizes a segment's ranges from the widest one so far (short here: they tie)
+            assert order == [(a, mb) for a in reversed(anchors) for mb in range(4)], f"call {call}: {order}"
+    assert handle.stats()["lockstep_pad_nodes"] > 0
+    handle.remove()
