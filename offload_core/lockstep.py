@@ -61,11 +61,19 @@ def _rng_mark() -> tuple:
     cpu = torch.random.default_generator.get_state()
     if not torch.cuda.is_initialized():
         return (cpu,)
-    return (cpu, tuple(g.get_offset() for g in torch.cuda.default_generators))
+    return (cpu, *(_cuda_mark(g) for g in torch.cuda.default_generators))
+
+
+def _cuda_mark(g: torch.Generator) -> Any:
+    try:
+        return g.get_offset()  # philox: a draw moves the offset
+    except (AttributeError, RuntimeError):
+        return g.get_state()
 
 
 def _same_mark(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
 class _Aliases:
