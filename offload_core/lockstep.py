@@ -77,7 +77,11 @@ def _same_mark(a: tuple, b: tuple) -> bool:
 
 
 class _Aliases:
-    """Per worker, a leaf of its own for every trainable parameter the forward reads from a module table."""
+    """Per worker, a leaf of its own for every trainable parameter the forward reads from a module table.
+
+    A worker's gradient is added into the parameter's ``.grad`` as soon as every earlier worker's is
+    in (the backward runs micro-batch 1's part of a unit first, so that is at once as a rule): the K
+    gradients are not all held until the backward ends. ``reduce`` adds what is left, in order."""
 
     def __init__(self, model: nn.Module, k: int) -> None:
         self.slots: list[tuple[dict, str, int]] = []  # (module table, name, index into params)
@@ -93,6 +97,11 @@ class _Aliases:
                 self.slots.append((m._parameters, name, i))
         # one leaf per worker and parameter: the same storage, so the optimizer's updates reach it
         self.per_worker = [[nn.Parameter(p.detach(), requires_grad=True) for p in self.params] for _ in range(k)]
+        self._next = [0] * len(self.params)  # per parameter: the first worker whose gradient is not added yet
+        self.early = 0  # gradients added while the backward ran
+        for w, leaves in enumerate(self.per_worker):
+            for i, leaf in enumerate(leaves):
+                leaf.register_post_accumulate_grad_hook(self._landed(w, i))
 
     def install(self, w: int) -> None:
         leaves = self.per_worker[w]
@@ -103,19 +112,33 @@ class _Aliases:
         for table, name, i in self.slots:
             table[name] = self.params[i]
 
+    def _landed(self, w: int, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(leaf: torch.Tensor) -> None:
+            if w != self._next[i]:
+                return  # an earlier worker's is still to come (or never comes: reduce() adds it in turn)
+            with torch.no_grad():
+                while self._next[i] < len(self.per_worker) and self.per_worker[self._next[i]][i].grad is not None:
+                    self._add(i, self.per_worker[self._next[i]][i])
+                    self._next[i] += 1
+                    self.early += 1
+        return hook
+
+    def _add(self, i: int, leaf: torch.Tensor) -> None:
+        p, g = self.params[i], leaf.grad
+        leaf.grad = None
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+
     @torch.no_grad()
     def reduce(self) -> None:
         """Each parameter's gradient += the workers' in order 1..K, as K backward() calls add them."""
-        for i, p in enumerate(self.params):
-            for leaves in self.per_worker:
-                g = leaves[i].grad
-                if g is None:
-                    continue
-                leaves[i].grad = None
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad += g
+        for i in range(len(self.params)):
+            for leaves in self.per_worker[self._next[i]:]:
+                if leaves[i].grad is not None:
+                    self._add(i, leaves[i])
+            self._next[i] = len(self.per_worker)
 
 
 class Lockstep:
