@@ -18,13 +18,15 @@ bitwise those of the plain loop. How:
   too, and within a segment micro-batch 1's range lies above 2's, ..., so the backward finishes one
   micro-batch's part of a unit before the next starts (one recompute's activations alive, not K).
 - **Same additions.** Each worker sees its own alias of every trainable parameter (the same storage,
-  a leaf of its own), and the aliases' gradients are added into ``.grad`` in order 1..K after the
-  backward: the fp32 additions K ``backward()`` calls make, whatever order autograd ran in.
+  a leaf of its own), and the aliases' gradients are added into ``.grad`` in order 1..K, each as soon
+  as the earlier ones are in: the fp32 additions K ``backward()`` calls make, whatever order autograd
+  ran in.
 
-Limits (docs/engine.md): trainable parameters must not be streamed (optimizer offload); hooks on a
-trainable parameter do not fire (its aliases get the gradients); a forward that draws random numbers
-(dropout) draws them in another order than the plain loop; reentrant checkpointing
-(``use_reentrant=True``) accumulates into ``.grad`` directly, in autograd's order.
+Limits (docs/engine.md): trainable parameters must not be streamed (optimizer offload); a forward
+that draws random numbers inside the model (dropout) is refused (``LayerOrderError``); hooks on a
+trainable parameter do not fire (its aliases get the gradients); reentrant checkpointing
+(``use_reentrant=True``) and loss terms on parameters captured before the call add into ``.grad``
+directly, in autograd's order (equal within rounding, not bitwise).
 """
 
 from __future__ import annotations
