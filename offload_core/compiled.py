@@ -101,6 +101,7 @@ class BlockCompiler:
         self.seconds = 0.0
         self._started: dict[str, float] = {}
         self._blocks: list[nn.Module] = []
+        self.handles: list[Any] = []  # hooks that go with the compiled blocks (compile_blocks' call counter)
         refuse_patched(blocks)
         by_class: dict[type, Callable] = {}
         for block in blocks:
@@ -110,7 +111,6 @@ class BlockCompiler:
                 compiled = by_class[cls] = torch.compile(cls.forward, dynamic=False)
             block.forward = self._wrap(compiled, block)
             self._blocks.append(block)
-        self.classes = sorted(c.__name__ for c in by_class)
 
     def _wrap(self, compiled: Callable, block: nn.Module) -> Callable:
         owner = weakref.ref(self)  # the block keeps its forward: it must not keep the compiler alive
@@ -126,10 +126,6 @@ class BlockCompiler:
                 _local.owner = previous
         return forward
 
-    @property
-    def blocks(self) -> int:
-        return len(self._blocks)
-
     def stats(self) -> dict[str, Any]:
         return {"compiled_blocks": len(self._blocks), "compile_graphs": self.graphs,
                 "recompiles": self.recompiles, "compile_seconds": self.seconds}
@@ -139,6 +135,9 @@ class BlockCompiler:
         for block in self._blocks:
             block.__dict__.pop("forward", None)
         self._blocks.clear()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module] | None = None) -> BlockCompiler:
@@ -149,6 +148,13 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module] | None = None) -> B
     if blocks is None:
         blocks = [b for _, lst in find_block_lists(model) for b in lst.children()]
     if not blocks:
-        raise OffloadConfigError(f"compile: {type(model).__name__} has no block list (a ModuleList of at least two "
-                         "blocks) to compile")
-    return BlockCompiler(blocks)
+        raise OffloadConfigError(f"compile: {type(model).__name__} has no block list (a ModuleList of at least "
+                                 "two blocks) to compile")
+    calls = [0]
+
+    def count(module: nn.Module, args: Any) -> None:  # a cycle is a call of the model, as under the engine
+        calls[0] += 1
+
+    compiler = BlockCompiler(blocks, cycle=lambda: calls[0])
+    compiler.handles.append(model.register_forward_pre_hook(count, prepend=True))
+    return compiler

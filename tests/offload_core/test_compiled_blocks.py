@@ -20,24 +20,16 @@ import torch
 from offload_core import OffloadConfigError, enable_offload
 from offload_core.compiled import compile_blocks
 from offload_core.quant import fake_quantize
-from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
+from offload_core_test_models import (CASES, assert_bitwise, assert_traces_equal, inductor_reason, infer,
+                                      make_optimizer, train)
 
 STEPS = 20
 CASE = CASES["flux"]
 
 
-def _inductor_reason() -> str | None:
-    """Why torch.compile cannot run on this CPU (no C compiler, a broken toolchain), or None."""
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4))
-    except Exception as exc:  # what inductor raises here varies with the toolchain
-        return f"inductor cannot compile on this CPU: {type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def inductor() -> None:
-    reason = _inductor_reason()
+    reason = inductor_reason()
     if reason is not None:
         pytest.skip(reason)
 
