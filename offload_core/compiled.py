@@ -34,31 +34,39 @@ _owners: dict[str, weakref.ref] = {}  # compile id -> its compiler (a backward c
 _lock = threading.Lock()
 
 
-def _on_start(args: Any) -> None:
-    from torch._dynamo.callback import CallbackTrigger
+def _call(args: Any) -> tuple[str, str]:
+    """(trigger, compile id) of a callback's argument: DYNAMO (a frame traced and compiled) or
+    LAZY_BACKWARD (its backward, compiled at the first backward pass), matched by compile id."""
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+    return trigger, str(getattr(args, "compile_id", ""))
 
-    owner = getattr(_local, "owner", None) if args.callback_trigger is CallbackTrigger.DYNAMO else None
+
+def _on_start(args: Any = None) -> None:
+    trigger, cid = _call(args)
     with _lock:
-        if owner is not None:
-            _owners[args.compile_id] = weakref.ref(owner)
-        ref = _owners.get(args.compile_id)
+        if trigger == "DYNAMO":  # ours when one of our blocks runs in this thread (ids restart after a reset)
+            owner = getattr(_local, "owner", None)
+            if owner is None:
+                _owners.pop(cid, None)
+            else:
+                _owners[cid] = weakref.ref(owner)
+        ref = _owners.get(cid) if trigger in ("DYNAMO", "LAZY_BACKWARD") else None
     owner = ref() if ref is not None else None
     if owner is not None:
-        owner._started[args.compile_id] = time.perf_counter()
+        owner._started[cid] = time.perf_counter()
 
 
-def _on_end(args: Any) -> None:
-    from torch._dynamo.callback import CallbackTrigger
-
+def _on_end(args: Any = None) -> None:
+    trigger, cid = _call(args)
     with _lock:
-        ref = _owners.get(args.compile_id)
+        ref = _owners.get(cid) if trigger in ("DYNAMO", "LAZY_BACKWARD") else None
     owner = ref() if ref is not None else None
     if owner is None:
         return
-    t0 = owner._started.pop(args.compile_id, None)
+    t0 = owner._started.pop(cid, None)
     if t0 is not None:
         owner.seconds += time.perf_counter() - t0
-    if args.callback_trigger is CallbackTrigger.DYNAMO:
+    if trigger == "DYNAMO":
         owner.graphs += 1
         if owner.cycle() > 1:
             owner.recompiles += 1
