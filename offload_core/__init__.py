@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from .api import OffloadHandle, enable_offload
+from .compiled import compile_blocks
 from .config import Granularity, OffloadConfig, parse_bytes
 from .errors import (
     AlreadyOffloadedError,
@@ -56,6 +57,7 @@ __all__ = [
     "PipelineOffload",
     "ShardError",
     "VramBudgetError",
+    "compile_blocks",
     "enable_offload",
     "enable_pipeline_offload",
     "parse_bytes",
