@@ -151,6 +151,11 @@ class EngineStats(TypedDict, total=False):
     host_store_reason: str
     pinned_limit_bytes: int  # the bounce store's limit on pinned bytes
     bounce_fill_gbps: float  # the bounce ring's fill threads, each thread's own memcpy rate
+    # offload.compile only (offload_core/compiled.py): graphs compiled, those after the first step, and
+    # the seconds spent compiling (cumulative; the first step pays nearly all of it)
+    compile_graphs: int
+    recompiles: int
+    compile_seconds: float
 
 
 class _Names:

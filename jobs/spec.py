@@ -216,6 +216,19 @@ class OffloadSpec(_Strict):
     split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
     treat_as_inference: Optional[bool] = Field(
         None, description="Stream every weight as frozen (default: when no parameter is frozen).")
+    compile: Optional[bool] = Field(
+        None, description="torch.compile each repeated block class once (regional, static shapes; with enabled "
+                          "false too): the first step pays the compile (tens of seconds at Flux-dev size), later "
+                          "steps run faster. Needs offload_granularity block or auto, and no split_threshold_mb.")
+
+    @model_validator(mode="after")
+    def _compile_needs_whole_blocks(self) -> "OffloadSpec":
+        if self.compile and (self.offload_granularity in ("leaf", "phase") or self.split_threshold_mb is not None):
+            what = "split_threshold_mb" if self.split_threshold_mb is not None else f"offload_granularity: {self.offload_granularity}"
+            raise _FieldError("offload.compile", f"compiles whole blocks, but {what} streams parts of them "
+                                                 "(the engine's hooks would land inside the compiled graph); use "
+                                                 "offload_granularity block or auto, without split_threshold_mb")
+        return self
 
     @model_validator(mode="after")
     def _fp8_scaling_needs_fp8(self) -> "OffloadSpec":

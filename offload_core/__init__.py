@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from .api import OffloadHandle, enable_offload
+from .compiled import compile_blocks
 from .config import Granularity, OffloadConfig, parse_bytes
 from .errors import (
     AlreadyOffloadedError,
@@ -58,6 +59,7 @@ __all__ = [
     "ShardError",
     "VramBudgetError",
     "LayerOrderError",
+    "compile_blocks",
     "enable_offload",
     "enable_pipeline_offload",
     "parse_bytes",

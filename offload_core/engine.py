@@ -38,6 +38,7 @@ from . import planner, registry
 from .arena import PinnedArena
 from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, pinned_limit
 from .binding import Binder, set_data
+from .compiled import BlockCompiler, refuse_patched
 from .config import OffloadConfig
 from .device import resolve_device
 from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, OffloadConfigError
@@ -112,6 +113,7 @@ class OffloadEngine:
         self.layout = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.layout.units
+        blocks = self._blocks_to_compile() if config.compile else []
         depth = planner.initial_depth(config.prefetch, config.vram_budget)
         residency = planner.plan_residency(
             self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
@@ -168,6 +170,8 @@ class OffloadEngine:
         self.use_streams = self.transfer.use_streams
         self.replanner = Replanner(self)
         self._install_hooks()
+        # after the hooks (they stay on the blocks' __call__, outside what is compiled)
+        self.compiler = BlockCompiler(blocks, cycle=lambda: self.schedule.cycles) if blocks else None
         for u in self.streamed:
             self.binder._spec(u)  # each tensor's binding, and the tensor object it was given (binding.py)
         self.masters = Masters(self)  # state_dict() and load_state_dict() read and write the host masters
@@ -205,6 +209,23 @@ class OffloadEngine:
             # Read onto the device from the files; remove() leaves them on the host, as from_pretrained would.
             self._resident_moved += [(m, attr, is_param, torch.device("cpu")) for m, attr, is_param in placed]
         return arena
+
+    def _blocks_to_compile(self) -> list[nn.Module]:
+        """The blocks compile=True compiles (compiled.py): every item of the block lists, each of
+        which must be one unit anchored on the block itself, or its hooks would be inside the graph."""
+        blocks = [b for name in self.layout.block_lists for b in self.model.get_submodule(name).children()]
+        if not blocks:
+            raise OffloadConfigError(f"compile: {type(self.model).__name__} has no block list (a ModuleList of at "
+                                     "least two blocks) to compile; leave compile off for this model")
+        anchors = {id(u.anchor): u.name for u in self.units}
+        for block in blocks:
+            inner = next((anchors[id(m)] for n, m in block.named_modules() if n and id(m) in anchors), None)
+            if inner is not None:
+                raise OffloadConfigError(f"compile: {inner} is a unit of its own inside its block, so the engine's "
+                                         "hooks would be inside the compiled graph; compiled blocks need each block "
+                                         "streamed whole (offload_granularity block, no split_threshold_mb)")
+        refuse_patched(blocks)
+        return blocks
 
     def _pin_or_bounce(self, arena: PinnedArena) -> HostStore:
         """The arena pinned whole, or, where the box will not pin that much, the same pageable
@@ -552,6 +573,7 @@ class OffloadEngine:
             h2d_gbps=(c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0,
             link_stats=self.pacer.stats() if self.pacer is not None else {},
             h2d_bytes_per_optimizer_step=c.accumulate_h2d_bytes / c.accumulate_calls if c.accumulate_calls else 0.0,
+            compile_stats=self.compiler.stats() if self.compiler is not None else {},
         )
 
     def reset_stats(self) -> None:
@@ -574,6 +596,8 @@ class OffloadEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.compiler is not None:
+            self.compiler.remove()
         self.synchronize()
         for uid in list(self.binder.bound):
             self.binder.unbind(self.units[uid])

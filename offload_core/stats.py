@@ -131,8 +131,10 @@ class EngineStats:
     h2d_bytes_per_optimizer_step: float = 0.0
     optimizer_stats: dict[str, Any] = field(default_factory=dict)  # optimizer offload's own keys, when it is on
     link_stats: dict[str, Any] = field(default_factory=dict)  # debug_link_gbps's keys (link.py), when it is set
+    # compile=True's keys (compiled.py): compiled_blocks, compile_graphs, recompiles, compile_seconds
+    compile_stats: dict[str, Any] = field(default_factory=dict)
 
-    MERGED = ("store_stats", "optimizer_stats", "link_stats")  # fields whose keys are merged into the dict, not kept under their name
+    MERGED = ("store_stats", "optimizer_stats", "link_stats", "compile_stats")  # fields whose keys are merged into the dict, not kept under their name
     TIMED_CYCLE = ("measured_step_ms", "predicted_step_ms")  # in the dict only once a cycle was timed
 
     def as_dict(self) -> dict[str, Any]:

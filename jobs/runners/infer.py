@@ -135,7 +135,8 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             "infer.lora with the weights streamed from disk: the LoRA is fused into the host copies of the blocks "
             "it changes, which then stay in RAM; with less RAM than the model this job may run out of host memory"))
     loaded = load_transformer(model_dir, family, dtype, device, offload=offload, training=False,
-                              with_weights=prepare, rss=watch.rss, transformer_dir=tdir)
+                              with_weights=prepare, rss=watch.rss, transformer_dir=tdir,
+                              compile=bool(spec.offload.compile))
     watch.sample()
     metrics.write({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                    "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),

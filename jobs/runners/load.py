@@ -113,6 +113,7 @@ def free_host_memory() -> None:
 class LoadedTransformer:
     model: torch.nn.Module
     handle: Any = None          # the engine's OffloadHandle (inference) or OffloadTrainingManager (training)
+    compiler: Any = None        # offload.compile with no engine: the resident blocks' BlockCompiler
     optimizer: Any = None
     weight_bytes: int = 0
     load_seconds: float = 0.0
@@ -120,7 +121,9 @@ class LoadedTransformer:
     memory: dict[str, int] = field(default_factory=dict)
 
     def stats(self) -> dict[str, Any]:
-        return self.handle.stats() if self.handle is not None else {}
+        if self.handle is not None:
+            return self.handle.stats()
+        return self.compiler.stats() if self.compiler is not None else {}
 
     @property
     def vram_budget(self) -> int | None:
@@ -160,7 +163,8 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
                      prepare: Callable[[torch.nn.Module], None] | None = None,
                      with_weights: Callable[[torch.nn.Module], None] | None = None,
                      make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
-                     rss: Callable[[], int] | None = None, transformer_dir: Path | None = None) -> LoadedTransformer:
+                     rss: Callable[[], int] | None = None, transformer_dir: Path | None = None,
+                     compile: bool = False) -> LoadedTransformer:
     """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
 
     `offload` is the engine's OffloadConfig (`offload_config(spec, ...)`; None keeps the model resident on `device`). `prepare(model)` runs
@@ -171,6 +175,8 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     `make_optimizer(model)` builds the optimizer over what `prepare` made trainable.
     `transformer_dir`: where the transformer is when not in `model_dir`'s transformer/ (a converted
     `model.transformer` checkpoint: jobs.runners.convert).
+    `compile` (offload.compile) with no engine compiles the resident blocks the way the engine's
+    `compile` does (an engine's config carries the key itself).
     """
     _, cls = family.classes()
     rss = rss or (lambda: 0)
@@ -203,6 +209,10 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     t1 = time.perf_counter()
     if offload is None:
         model.to(device)
+        if compile:
+            from offload_core.compiled import compile_blocks
+
+            loaded.compiler = compile_blocks(model)
     elif training:
         from offload_core import OffloadTrainingManager
 

@@ -255,7 +255,8 @@ class TrainRecipe:
                                               transformer_dir=tdir)
         loaded = self.loaded = load_transformer(
             self.model_dir, self.family, self.dtype, self.device, offload=self.engine_config, training=True,
-            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss, transformer_dir=tdir)
+            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss, transformer_dir=tdir,
+            compile=bool(self.spec.offload.compile))
         self.model, self.optimizer = loaded.model, loaded.optimizer
         self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
         self.watch.sample()

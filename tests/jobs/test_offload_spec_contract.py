@@ -45,3 +45,5 @@ def test_every_spec_key_reaches_the_engine() -> None:
     ram = OffloadConfig.from_overrides(**OffloadSpec(weight_dtype="float8_e4m3fn", fp8_scaling="block").engine_kwargs())
     assert ram.resolved_fp8_scaling == "block"
     assert OffloadConfig(weight_dtype="float8_e4m3fn").resolved_fp8_scaling == "row"  # the default from RAM
+    # compile refuses split_threshold_mb (above), so it goes alone
+    assert OffloadConfig.from_overrides(**OffloadSpec(compile=True).engine_kwargs()).compile is True
