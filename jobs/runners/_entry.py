@@ -16,7 +16,23 @@ __all__ = ["load_job", "fail", "write_metrics"]
 def load_job(argv: list[str] | None = None) -> tuple[JobSpec, Path]:
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0] if args else os.environ["OFFLOAD_JOBS_RUN_DIR"])
-    return load_spec(run_dir / "spec.yaml"), run_dir
+    spec = load_spec(run_dir / "spec.yaml")
+    hide_unused_packages(spec)
+    return spec, run_dir
+
+
+def hide_unused_packages(spec: JobSpec) -> None:
+    """Keep bitsandbytes out of a job that does not train with adamw8bit.
+
+    peft and diffusers import bitsandbytes as soon as it is installed, and its import pulls in
+    torch._dynamo and asks the model hub for a CPU kernel (the "kernels-community ... trust" line in
+    job logs): about 2 s of CPU and a network lookup at every job start, for a package only the
+    adamw8bit optimizer uses. A None entry in sys.modules makes `importlib.util.find_spec` answer
+    None, so the libraries take it as not installed.
+    """
+    train = getattr(spec, "train", None)
+    if getattr(train, "optimizer", None) != "adamw8bit" and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
 def fail(reason: str, message: str, code: int = 2) -> NoReturn:

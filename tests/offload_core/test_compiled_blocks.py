@@ -47,7 +47,12 @@ def _frames() -> int:
     return int(torch._dynamo.utils.counters["frames"]["total"])
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+# CI runs the checkpointed case (the 20-step, 0-recompile, bitwise acceptance); the rest compile the same
+# blocks again for minutes of CPU and run under `pytest -m slow`.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=SLOW), True], ids=["no_ckpt", "ckpt"])
 def test_compiled_offload_matches_compiled_resident_without_recompiles(fresh_dynamo: None, checkpointing: bool) -> None:
     a = CASE.build("adapter", checkpointing=checkpointing)
     b = copy.deepcopy(a)
@@ -81,6 +86,7 @@ def test_compiled_offload_matches_compiled_resident_without_recompiles(fresh_dyn
     assert all("forward" not in blk.__dict__ for blk in [*b.transformer_blocks, *b.single_transformer_blocks])
 
 
+@SLOW
 def test_a_recompile_after_the_first_step_is_counted(fresh_dynamo: None) -> None:
     # The counter is the acceptance's measure: it must see a recompile when there is one (a new shape).
     model = CASE.build("frozen")
@@ -97,6 +103,7 @@ def test_a_recompile_after_the_first_step_is_counted(fresh_dynamo: None) -> None
     h.remove()
 
 
+@SLOW
 def test_fp8_storage_compiled_matches_fake_quantized_compiled_resident(fresh_dynamo: None) -> None:
     # fp8 is widened into the slot before the block runs: the graph sees the compute dtype, as resident.
     a = CASE.build("adapter", checkpointing=True)
@@ -112,6 +119,7 @@ def test_fp8_storage_compiled_matches_fake_quantized_compiled_resident(fresh_dyn
     h.remove()
 
 
+@SLOW
 def test_inference_compiled_matches_and_remove_gives_the_eager_forward_back(fresh_dynamo: None) -> None:
     base = CASE.build("frozen")
     ref = copy.deepcopy(base)
@@ -125,6 +133,7 @@ def test_inference_compiled_matches_and_remove_gives_the_eager_forward_back(fres
     assert_bitwise(infer(CASE, base, seeds), infer(CASE, off, seeds), "eager output after remove()")
 
 
+@SLOW
 def test_engine_dropped_without_remove_is_collected(fresh_dynamo: None) -> None:
     model = CASE.build("adapter", checkpointing=True)
     opt = make_optimizer(model)
@@ -161,6 +170,7 @@ def test_compile_refuses_a_model_without_blocks_and_blocks_compiled_already() ->
     assert all(p.numel() > 0 for p in model.parameters())
 
 
+@SLOW
 def test_optimizer_offload_with_compiled_blocks_matches_resident(fresh_dynamo: None) -> None:
     # Streamed trainable LoRA parameters: their .data is the slot view while the block runs, a
     # placeholder between uses; the graph sees the same shape and stride each time.

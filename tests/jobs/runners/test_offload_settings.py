@@ -137,6 +137,7 @@ def test_fp8_scaling_without_fp8_is_one_line_naming_the_field() -> None:
         parse_spec({"kind": "infer", "model": {"path": "/m"}, "offload": {"weight_dtype": "fp8"}})
 
 
+@pytest.mark.slow  # a cold inductor compile: minutes of CPU (pytest -m slow)
 def test_compile_runs_the_job_with_compiled_blocks_and_forwards_the_counts(client, tiny: dict[str, Path]) -> None:
     """offload.compile reaches the engine: its blocks compile in the job's first step, and the counts
     are in every step row (the contract's names)."""
@@ -168,6 +169,7 @@ def test_compile_needs_whole_blocks_one_line_naming_the_field() -> None:
     assert parse_spec({"kind": "infer", "model": {"path": "/m"}, "offload": {"compile": True}}).offload.compile is True
 
 
+@pytest.mark.slow  # a cold inductor compile: minutes of CPU (pytest -m slow)
 def test_compile_without_the_engine_compiles_the_resident_blocks(tiny: dict[str, Path]) -> None:
     from jobs.runners.families import get_adapter
     from jobs.runners.load import load_transformer

@@ -159,14 +159,20 @@ def _pictures(job: dict) -> dict[str, bytes]:
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix in (".png", ".gif")}
 
 
+# A train job from one layout of each family (the conversion is the same for train and infer); an infer
+# job from every layout. The infer job from a layout no train job converted is the cache miss.
+TRAINED = {"bfl", "wan-native"}
+
+
 @pytest.fixture(scope="module")
 def jobs(worker, tiny: dict[str, Path], files: dict[str, Path]) -> dict[str, dict]:
     """A train and an infer job from each file, and the infer job from each diffusers folder (one worker)."""
     out = {}
     with worker.client() as c:
         for family, name in CASES:
-            train = train_spec(tiny, family, steps=2, save_every=None)
-            out[f"train-{name}"] = run_job(c, _single(train, files[name], tiny, family))
+            if name in TRAINED:
+                train = train_spec(tiny, family, steps=2, save_every=None)
+                out[f"train-{name}"] = run_job(c, _single(train, files[name], tiny, family))
             infer = infer_spec(tiny, family, prompt="a red square", steps=2)
             out[f"infer-{name}"] = run_job(c, _single(infer, files[name], tiny, family))
         for family in ("flux", "wan"):
@@ -177,15 +183,18 @@ def jobs(worker, tiny: dict[str, Path], files: dict[str, Path]) -> dict[str, dic
 @pytest.mark.parametrize("family,name", list(CASES))
 def test_train_and_infer_from_a_file_succeed_and_render_the_folders_image(jobs: dict[str, dict], family: str,
                                                                           name: str) -> None:
-    train, infer, folder = jobs[f"train-{name}"], jobs[f"infer-{name}"], jobs[f"infer-folder-{family}"]
+    train, infer, folder = jobs.get(f"train-{name}"), jobs[f"infer-{name}"], jobs[f"infer-folder-{family}"]
     for job in (train, infer, folder):
-        assert job["status"] == "SUCCEEDED", log(job)[-3000:]
-    first = events(train, "runner.convert")
-    assert len(first) == 1 and first[0]["result"] == "miss" and first[0]["layout"] == CASES[family, name]
+        assert job is None or job["status"] == "SUCCEEDED", log(job)[-3000:]
     later = events(infer, "runner.convert")
-    assert len(later) == 1 and later[0]["result"] == "hit" and later[0]["path"] == first[0]["path"]
+    if train is None:
+        assert len(later) == 1 and later[0]["result"] == "miss" and later[0]["layout"] == CASES[family, name]
+    else:
+        first = events(train, "runner.convert")
+        assert len(first) == 1 and first[0]["result"] == "miss" and first[0]["layout"] == CASES[family, name]
+        assert len(later) == 1 and later[0]["result"] == "hit" and later[0]["path"] == first[0]["path"]
+        assert (run_dir(train) / "outputs" / "lora.safetensors").is_file()
     assert _pictures(infer) and _pictures(infer) == _pictures(folder)
-    assert (run_dir(train) / "outputs" / "lora.safetensors").is_file()
 
 
 def test_a_bad_file_is_refused_at_submit_naming_it(worker, tiny: dict[str, Path], files: dict[str, Path]) -> None:
