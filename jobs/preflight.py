@@ -38,6 +38,7 @@ PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("model.base", "any", ("train", "infer")),
     ("model.transformer", "any", ("train", "infer")),
     ("train.dataset", "dir", ("train",)),
+    ("infer.prompt_file", "any", ("infer",)),
 ]
 
 
