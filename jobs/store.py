@@ -231,11 +231,13 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
         return self._claim(cand.scalar_subquery(), worker_id=worker_id, lease_s=lease_s, run_root=run_root)
 
     @_reads
-    def pending_jobs(self, kind: str, limit: int = 200) -> list[dict[str, Any]]:
-        """PENDING jobs of `kind` with their specs, in claim order (highest priority, then oldest)."""
+    def pending_jobs(self, kind: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        """PENDING jobs (of `kind`) with their specs, in claim order (highest priority, then oldest)."""
         c = jobs_t.c
-        q = (select(*_JOB_COLS).where(c.status == JobState.PENDING, c.kind == kind)
-             .order_by(c.priority.desc(), c.seq).limit(limit))
+        q = select(*_JOB_COLS).where(c.status == JobState.PENDING)
+        if kind is not None:
+            q = q.where(c.kind == kind)
+        q = q.order_by(c.priority.desc(), c.seq).limit(limit)
         with self._read() as conn:
             return [_job_dict(r) for r in conn.execute(q).mappings()]
 

@@ -7,6 +7,9 @@ job's child (the leader) loads the model once and renders every member's images 
 (jobs/runners/batch_member.py), so every job keeps its own attempt, log, exit, cancel and recovery
 exactly as a job that runs alone. Members take no slot of their own: they ride on the leader's.
 
+Jobs submitted together (a script's loop, a few per second) reach the queue one at a time, and the
+scheduler wakes at the first: so the queue's head, when it is a batchable infer job younger than
+`BATCH_WINDOW_S`, is held that long for partners (`hold_for_partners`) unless its batch is full.
 A job submitted while a batch runs waits for the leader's slot, so it joins the next batch.
 """
 
@@ -21,9 +24,11 @@ from jobs.contract import Executor, Kind
 from jobs.errors import SpecError, StoreError
 from jobs.spec import JobSpec, parse_spec
 
-__all__ = ["DEFAULT_MAX_JOBS", "batch_key", "max_jobs", "claim_members", "Batch"]
+__all__ = ["DEFAULT_MAX_JOBS", "BATCH_WINDOW_S", "batch_key", "max_jobs", "hold_for_partners", "claim_members", "Batch"]
 
 DEFAULT_MAX_JOBS = 4  # jobs in one batch when infer.max_batch is unset (images per pass: the runner's estimate)
+# How long a batchable job at the queue's head waits for partners: a model load takes far longer.
+BATCH_WINDOW_S = 1.0
 
 # What every member of a batch must share: one pipeline call honours one size, step count,
 # guidance, negative prompt, LoRA and engine; the environment and resources shape the child itself.
@@ -49,6 +54,29 @@ def batch_key(spec: JobSpec) -> str | None:
 
 def max_jobs(spec: JobSpec) -> int:
     return spec.infer.max_batch or DEFAULT_MAX_JOBS
+
+
+def hold_for_partners(store: Any, now: float, window: float = BATCH_WINDOW_S) -> float:
+    """Seconds to wait before the next claim (0: claim now). Only while the queue's head is a batchable
+    infer job submitted less than `window` ago whose batch has room: every claim waits meanwhile, so
+    the queue's order holds."""
+    try:
+        head = store.pending_jobs(limit=1)
+        if not head or head[0]["kind"] != Kind.INFER or now - (head[0]["created_at"] or 0) >= window:
+            return 0.0
+        spec = parse_spec(head[0]["spec"])
+        key = batch_key(spec)
+        if key is None:
+            return 0.0
+        same = 0
+        for job in store.pending_jobs(Kind.INFER, limit=max_jobs(spec) * 4):
+            try:
+                same += batch_key(parse_spec(job["spec"])) == key
+            except SpecError:
+                continue
+        return 0.0 if same >= max_jobs(spec) else window - (now - head[0]["created_at"])
+    except (SpecError, StoreError):
+        return 0.0
 
 
 def claim_members(store: Any, leader: dict[str, Any], *, worker_id: str | None = None, lease_s: float | None = None,

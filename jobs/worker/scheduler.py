@@ -42,7 +42,7 @@ from jobs.rundir import RunDir
 from jobs.runners import get_runner
 from jobs.spec import JobSpec, parse_spec
 from jobs.store import JobStore, LeaseLost
-from jobs.worker.cosched import Batch, claim_members
+from jobs.worker.cosched import Batch, claim_members, hold_for_partners
 from jobs.worker.faults import FaultPoints
 from jobs.worker.heartbeat import Heartbeat, LeaseFiles
 from jobs.worker.loop_thread import LoopThread
@@ -187,6 +187,10 @@ class Scheduler(LoopThread):
 
     def _start_pending(self) -> None:
         if time.monotonic() < self._claim_blocked_until or not self._may_claim():
+            return
+        hold = hold_for_partners(self.store, time.time())
+        if hold > 0:  # a batchable infer job just arrived: jobs submitted with it join its batch
+            self._claim_blocked_until = time.monotonic() + min(hold, self.tick)
             return
         while not self._stop.is_set():
             local = [r for r in self.running.values() if not _is_slurm(r) and not _rides(r)]
