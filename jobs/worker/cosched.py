@@ -62,7 +62,13 @@ def hold_for_partners(store: Any, now: float, window: float = BATCH_WINDOW_S) ->
     the queue's order holds."""
     try:
         head = store.pending_jobs(limit=1)
-        if not head or head[0]["kind"] != Kind.INFER or now - (head[0]["created_at"] or 0) >= window:
+        if not head or head[0]["kind"] != Kind.INFER:
+            return 0.0
+        queued = head[0]["created_at"] or 0.0
+        if head[0]["attempt"]:  # queued again after an attempt (the members of a lost batch): since it ended
+            last = store.attempt(head[0]["id"], head[0]["attempt"])
+            queued = max(queued, (last or {}).get("finished_at") or 0.0)
+        if now - queued >= window:
             return 0.0
         spec = parse_spec(head[0]["spec"])
         key = batch_key(spec)
@@ -74,7 +80,7 @@ def hold_for_partners(store: Any, now: float, window: float = BATCH_WINDOW_S) ->
                 same += batch_key(parse_spec(job["spec"])) == key
             except SpecError:
                 continue
-        return 0.0 if same >= max_jobs(spec) else window - (now - head[0]["created_at"])
+        return 0.0 if same >= max_jobs(spec) else window - (now - queued)
     except (SpecError, StoreError):
         return 0.0
 

@@ -198,14 +198,44 @@ def test_cancel_one_job_of_a_running_batch_and_late_joiners_take_the_next(worker
     y_end = client.wait(y["id"], timeout=60)
     assert y_end["status"] == JobState.CANCELLED
     assert client.get(x["id"])["status"] == JobState.RUNNING  # cancelled while its batch still renders
-    done = {j["id"]: client.wait(j["id"], timeout=300) for j in (x, z, *late)}
+    done = {j["id"]: client.wait(j["id"], timeout=300) for j in (x, z)}
     for j in (x, z):
         assert done[j["id"]]["status"] == JobState.SUCCEEDED, log(done[j["id"]])
         assert (run_dir(done[j["id"]]) / "outputs" / "image_000.png").is_file()
         assert done[j["id"]]["last_metrics"][Metric.batch_with] == [x["id"], y["id"], z["id"]]
     assert not list((run_dir(y_end) / "outputs").glob("*.png"))  # its rows were discarded
-    ids = [j["id"] for j in late]
-    for j in late:  # submitted while the batch ran: they shared the next one
-        assert done[j["id"]]["status"] == JobState.SUCCEEDED, log(done[j["id"]])
-        assert done[j["id"]]["last_metrics"][Metric.batch_with] == ids
-    assert min(done[i]["started_at"] for i in ids) >= done[x["id"]]["finished_at"] - 1.0
+
+    # submitted while the batch ran: they share the next one; its leader is cancelled mid-pass
+    lead, other = late
+    lead_events = run_dir(client.get(lead["id"])) / "events.jsonl"
+    wait_for(lambda: lead_events.exists() and "runner.batch" in lead_events.read_text(), timeout=120, poll=0.05)
+    assert client.get(lead["id"])["started_at"] >= done[x["id"]]["finished_at"] - 1.0
+    client.cancel(lead["id"])
+    lead_end, other_end = client.wait(lead["id"], timeout=300), client.wait(other["id"], timeout=300)
+    assert other_end["status"] == JobState.SUCCEEDED, log(other_end)
+    assert other_end["last_metrics"][Metric.batch_with] == [lead["id"], other["id"]]
+    assert (run_dir(other_end) / "outputs" / "image_000.png").is_file()
+    assert lead_end["status"] == JobState.CANCELLED and lead_end["reason"] == Reason.CANCELLED
+    assert not list((run_dir(lead_end) / "outputs").glob("*.png"))
+    assert "left out of its batch" in log(lead_end)
+
+
+def test_a_lost_leader_child_fails_its_members_worker_lost_and_they_run_again(client: Any, tiny: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    import os
+    import signal
+
+    gate = Gate(client, tmp_path)
+    jobs = [client.submit(_spec(tiny, f"prompt {n}", seed=n, steps=120)) for n in range(3)]
+    gate.open()
+    leader_file = run_dir(client.get(jobs[0]["id"])) / "batch" / "leader.json"
+    events = run_dir(client.get(jobs[0]["id"])) / "events.jsonl"
+    wait_for(lambda: events.exists() and "runner.batch" in events.read_text(), timeout=120, poll=0.05)
+    os.kill(json.loads(leader_file.read_text())["pid"], signal.SIGKILL)  # the shared child crashes mid-pass
+    first, *members = [client.wait(j["id"], timeout=300) for j in jobs]
+    assert first["status"] == JobState.FAILED and first["reason"] == Reason.KILLED  # its own child: as today
+    for m in members:  # lost with the child that rendered them: queued again (retry.on: worker_lost), then done
+        assert m["status"] == JobState.SUCCEEDED and m["attempt"] == 2, log(m)
+        assert "attempt 1 ended: FAILED (worker_lost)" in log(m)
+        assert m["last_metrics"][Metric.batch_with] == [j["id"] for j in jobs[1:]]
+        assert (run_dir(m) / "outputs" / "image_000.png").is_file()
