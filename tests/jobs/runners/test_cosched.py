@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from runner_helpers import ONE_THREAD, infer_spec, log, run_dir, strict_lines, wait_for
+from runner_helpers import infer_spec, log, run_dir, strict_lines, wait_for
 
 from _helpers.jobs_helpers import WorkerProcess
 from jobs.contract import JobState, Metric, Reason
