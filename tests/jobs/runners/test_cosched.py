@@ -8,6 +8,7 @@ while a test queues its infer jobs, so what shares a batch is decided by the rul
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,31 @@ def test_render_batch_rows_are_each_prompt_alone(tiny: dict[str, Path], family: 
         diff = max(int(np.abs(np.asarray(x, dtype=np.int16) - np.asarray(y, dtype=np.int16)).max())
                    for x, y in zip(rows[b], alone))
         assert diff <= 1, (family, b, diff)
+
+
+def test_a_batch_survives_a_worker_kill9_and_finishes_once(worker_factory, tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Every child of a batch is adopted by the restarted worker (the batch is in each attempt's
+    handle), or its end read from its run dir when it ended meanwhile: each job finishes in its first
+    attempt, once."""
+    home = tmp_path / "home"
+    w = worker_factory("--max-cpu-jobs", "1", home=home)
+    c = w.client()
+    gate = Gate(c, tmp_path)
+    jobs = [c.submit(_spec(tiny, f"prompt {n}", seed=n, steps=400)) for n in range(3)]  # a pass of ~10 s
+    gate.open()
+    events = run_dir(c.get(jobs[0]["id"])) / "events.jsonl"
+    wait_for(lambda: events.exists() and "runner.batch" in events.read_text(), timeout=120, poll=0.05)
+    c.close()
+    w.kill9()
+    w2 = worker_factory("--max-cpu-jobs", "1", home=home)
+    c2 = w2.client()
+    ids = [j["id"] for j in jobs]
+    for j in jobs:
+        done = c2.wait(j["id"], timeout=300)
+        assert done["status"] == JobState.SUCCEEDED and done["attempt"] == 1, log(done)
+        assert [a["status"] for a in done["attempts"]] == [JobState.SUCCEEDED]
+        assert _metrics(done)[Metric.batch_with] == ids  # (rows written while no worker watched skip last_metrics)
+        assert re.search(r"worker restarted; attempt 1( is still running and was adopted|: it ended while no worker "
+                         r"watched: SUCCEEDED)", log(done)), log(done)  # adopted, or its end read from exit.json
+        assert (run_dir(done) / "outputs" / "image_000.png").is_file()
+    c2.close()
