@@ -174,11 +174,11 @@ def _run(lead_: _Lead, ok: list[_Job]) -> None:
 
         ready = prepare_model(spec, first.run_dir, device, cap, dtype, checked.model_dir, family, checked.lora, every,
                               watch, on_row, checked.transformer)
-        rows = spec.infer.max_batch or images_per_pass(cap, int(ready.loaded.stats().get(Metric.vram_allocated_bytes) or 0),
+        per_pass = spec.infer.max_batch or images_per_pass(cap, int(ready.loaded.stats().get(Metric.vram_allocated_bytes) or 0),
                                                        _tokens(spec, ready.max_len), _width(ready.loaded.model),
                                                        torch.finfo(dtype).bits // 8)
         for j in ok:
-            lead_.event(j, "batch", batch_of=lead_.leader, batch_with=lead_.ids, images_per_pass=rows)
+            lead_.event(j, "batch", batch_of=lead_.leader, batch_with=lead_.ids, images_per_pass=per_pass)
         watch.phase("render")
         pending = [(j, n, p) for j in ok for n, p in enumerate(j.prompts)]
         while pending:
@@ -186,14 +186,11 @@ def _run(lead_: _Lead, ok: list[_Job]) -> None:
             if not pending:
                 break
             key = _settings(pending[0][2])
-            chunk = [r for r in pending if _settings(r[2]) == key][:rows]
+            chunk = [r for r in pending if _settings(r[2]) == key][:per_pass]
             _pass(lead_, ready, family, chunk, device, dtype, cap, watch)
             pending = [r for r in pending if r not in chunk]
         if ready.loaded.handle is not None:
             ready.loaded.handle.remove()
-    for j in ok:
-        if not j.finished and j.stopped():
-            j.finished = True  # left the batch: its waiter is gone, its images are not written
 
 
 def _settings(p: rnd.PromptSpec) -> tuple[Any, ...]:
