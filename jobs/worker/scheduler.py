@@ -315,6 +315,7 @@ class Scheduler(LoopThread):
                 log.exception("could not start job %s", job_id)
             msg = str(exc) if isinstance(exc, SetupFailed) else f"{type(exc).__name__}: {exc}"
             run_dir.append_log(f"[offload-jobs] setup_failed: {msg}\n")
+            self._leave_batch(r, Reason.SETUP_FAILED)
             r.handle = None
             self._settle(r, _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, msg))
             return False
@@ -341,26 +342,28 @@ class Scheduler(LoopThread):
             # Reaped while we prepared it (a stall past the lease): drop it unrun, record nothing.
             log.warning("job %s: attempt %d was taken over before it started; not starting it", job_id, number)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             self._drop(r)
             return False
         except StoreError as exc:
             # Unrecorded children never run: drop it; the attempt is retried once the store answers.
             log.warning("job %s: cannot record attempt %d (%s); not starting it", job_id, number, exc)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             r.stop_reason = "unrecorded"
             return False
         self._faults.pause("recorded")
         if not go:  # cancelled while STARTING
             r.executor.abort(h)
             r.stop_reason = Reason.CANCELLED
-            if "batch" in r.extra:
-                r.run_dir.write_stop(number, Reason.CANCELLED)  # its batch's leader leaves it out
+            self._leave_batch(r, Reason.CANCELLED)
             return False
         if self.shared and not self._lease_fresh(r):
             # The claim's lease is past its local deadline (a stall, the store gone): another worker may
             # retry it any moment, so it must not start here. Stopped unrun, it is queued again.
             log.warning("job %s: attempt %d's lease ran out before it started; not starting it", job_id, number)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             r.stop_reason = "unrecorded"
             return False
         return True
@@ -385,6 +388,17 @@ class Scheduler(LoopThread):
         self.running.pop(r.job_id, None)
         self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
         self._free_gpus.sort()
+
+    def _leave_batch(self, r: _Running, why: str) -> None:
+        """An attempt of a batch that will not run: its leader leaves it out (a stop record in its run dir),
+        or, when it is the leader, its members stop waiting (the batch is marked ended)."""
+        batch = r.extra.get("batch")
+        if batch is None:
+            return
+        if batch.leads:
+            BatchDir(batch.dir).mark_ended()
+        else:
+            r.run_dir.write_stop(r.attempt, why)
 
     def _live_members(self, r: _Running) -> bool:
         """`r` leads a batch some other member of which still has a live child here."""
@@ -545,9 +559,6 @@ class Scheduler(LoopThread):
     # ------------------------------------------------------------ completions
     def _on_exit(self, r: _Running, ex: Exit) -> None:
         self._read_metrics(r)
-        batch = r.extra.get("batch")
-        if batch is not None and batch.leads:
-            BatchDir(batch.dir).mark_ended()  # members still waiting learn at once that no result will come
         outcome = self._judge(r.stop_reason, r.killed, ex)
         tail = f"[offload-jobs] attempt {r.attempt} ended: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
         if outcome.message and outcome.reason != Reason.CANCELLED:
@@ -581,6 +592,9 @@ class Scheduler(LoopThread):
         return _Outcome(status, reason, code, msg)
 
     def _settle(self, r: _Running, outcome: _Outcome) -> None:
+        batch = r.extra.get("batch")
+        if batch is not None and batch.leads:
+            BatchDir(batch.dir).mark_ended()  # members still waiting learn at once that no result will come
         r.outcome = outcome
         self._record(r)
 
