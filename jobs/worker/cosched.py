@@ -22,6 +22,7 @@ from typing import Any
 from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV, BatchDir, BatchMember
 from jobs.contract import Executor, Kind
 from jobs.errors import SpecError, StoreError
+from jobs.rundir import RunDir
 from jobs.spec import JobSpec, parse_spec
 
 __all__ = ["DEFAULT_MAX_JOBS", "BATCH_WINDOW_S", "batch_key", "max_jobs", "hold_for_partners", "claim_members", "Batch"]
@@ -124,9 +125,14 @@ class Batch:
 
     @classmethod
     def plan(cls, leader: dict[str, Any], members: list[dict[str, Any]], run_dirs: dict[str, str]) -> list["Batch"]:
-        """Write the batch folder; one Batch for the leader and each member, in that order."""
+        """Write every member's run dir (the leader reads their specs) and the batch folder; one Batch for
+        the leader and each member, in that order."""
         jobs = [leader, *members]
         ids = [j["id"] for j in jobs]
+        for j in jobs:
+            run_dir = RunDir(run_dirs[j["id"]])
+            if not run_dir.spec_file.exists():
+                run_dir.create(j["spec"])
         bd = BatchDir.of_leader(run_dirs[leader["id"]])
         bd.create(leader["id"], [BatchMember(j["id"], j["attempt"], run_dirs[j["id"]]) for j in jobs])
         return [cls(leader["id"], ids, "leader" if n == 0 else "member", str(bd.path)) for n in range(len(jobs))]

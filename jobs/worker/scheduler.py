@@ -223,7 +223,7 @@ class Scheduler(LoopThread):
         run_dirs = {j["id"]: j["run_dir"] or str(RunDir.for_job(self.home, j["id"]).path) for j in jobs}
         try:
             plans: list[Batch | None] = list(Batch.plan(job, members, run_dirs))
-        except OSError as exc:  # the batch folder cannot be written: each runs on its own
+        except (OSError, RunDirError) as exc:  # the batch folder cannot be written: each runs on its own
             log.warning("job %s: cannot write its batch folder (%s); its %d members run apart", job["id"], exc,
                         len(members))
             plans = [None] * len(jobs)
