@@ -146,10 +146,14 @@ def test_a_batch_shares_one_child_bitwise_and_a_bad_input_fails_alone(worker: Wo
     bad = client.submit(_spec(tiny, "", prompt_file=str(prompts_file), seed=3))  # its file goes before it runs
     other_lora = client.submit(_spec(tiny, "a red square on a blue background", seed=1, lora=str(lora)))
     alone = client.submit(_spec(tiny, "a red square on a blue background", seed=1, share_stream=False))
+    other_size = client.submit(_spec(tiny, "a red square on a blue background", seed=1, width=48))
+    other_model = client.submit({**_spec(tiny, "a red square on a blue background", seed=1),
+                                 "model": {"path": str(tiny["sd3"])}})
     prompts_file.unlink()
     gate.open()
     done = {k: client.wait(j["id"], timeout=300) for k, j in
-            dict(a=a, b=b, bad=bad, other_lora=other_lora, alone=alone).items()}
+            dict(a=a, b=b, bad=bad, other_lora=other_lora, alone=alone, other_size=other_size,
+                 other_model=other_model).items()}
 
     batch = [a["id"], b["id"], bad["id"]]
     for k in ("a", "b"):
@@ -159,7 +163,7 @@ def test_a_batch_shares_one_child_bitwise_and_a_bad_input_fails_alone(worker: Wo
     assert done["bad"]["status"] == JobState.FAILED and done["bad"]["reason"] == Reason.SETUP_FAILED
     assert "infer.prompt_file" in done["bad"]["message"] and "no such file" in done["bad"]["message"]
     assert not list((run_dir(done["bad"]) / "outputs").glob("*.png"))
-    for k in ("other_lora", "alone"):  # ran alone: the plain runner, no batch fields
+    for k in ("other_lora", "alone", "other_size", "other_model"):  # ran alone: the plain runner, no batch fields
         assert done[k]["status"] == JobState.SUCCEEDED, (k, log(done[k]))
         assert Metric.batch_of not in _metrics(done[k]) and "co-scheduled" not in log(done[k])
     # each job's own run dir: its images, params and log lines
