@@ -31,8 +31,12 @@ __all__ = ["main"]
 
 ALL_VARIANTS = [
     "resident", "resident-repeat", "ours-seed", "ours", "ours-pf2", "ours-tuned", "ours-budget50", "ours-budget7g",
-    "ours-phase", "ours-fp8", "ours-fp8-tensor", "ours-fp8-block", "ours-bounce", "ours-bounce-t8", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
+    "ours-phase", "ours-fp8", "ours-fp8-tensor", "ours-fp8-block", "resident-compile", "ours-compile",
+    "ours-fp8-compile", "ours-bounce", "ours-bounce-t8", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
+    "ours-accum2", "ours-accum2-layer", "ours-accum4", "ours-accum4-layer",
 ]
+# K micro-batches a step take K times as long: run only when named in --only
+OPT_IN = {"ours-accum2", "ours-accum2-layer", "ours-accum4", "ours-accum4-layer"}
 
 
 class UsageError(Exception):
@@ -182,15 +186,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         metas[name] = workload_meta(wl, master)
         metas[name]["build_s"] = time.perf_counter() - t0
         log(f"{name}: {wl.title} ({metas[name]['weight_bytes'] / 1e9:.3f} GB, built in {metas[name]['build_s']:.1f} s)")
-        ref = None
+        ref = ref_compiled = None  # what resident and resident-compile produced
         for variant in variants_for(wl):
-            if only is not None and variant.name not in only:
+            if (variant.name not in only) if only is not None else variant.name in OPT_IN:
                 continue
             # resident crosses no link: at link tiers it runs once, its row standing in every tier
             shared = tiers is None or variant.family == "resident"
             for gbps in ([None] if shared else tiers):
                 log(f"  {variant.name}{'' if shared else ' at ' + tier_label(gbps)} ...")
-                kw = dict(warmup=warmup, repeats=repeats, ref=ref)
+                # a compiled variant is compared with resident compiled the same way, when it ran
+                compiled = variant.config.get("compile") and variant.name != "resident-compile"
+                kw = dict(warmup=warmup, repeats=repeats, ref=ref_compiled if compiled and ref_compiled else ref)
                 try:
                     paced = at_tier(variant, gbps)
                 except NotApplicable as e:
@@ -205,6 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 reference = row.pop("_reference", None)
                 if variant.name == "resident" and reference is not None:
                     ref = reference
+                if variant.name == "resident-compile" and reference is not None:
+                    ref_compiled = reference
                 status = f"{row['time_ms']:.2f} ms" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('reason')}"
                 log(f"    {status}")
                 if tiers is None:

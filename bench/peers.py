@@ -33,6 +33,10 @@ class Session:
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     planning: Callable[[], bool] | None = None  # ours: the engine is still choosing its plan
+    # gradient accumulation: one timed step is one optimizer step over this many micro-batches, run
+    # through accumulate(batches, loss_fn) (offload_core.lockstep: micro or layer order)
+    micro_batches: int = 1
+    accumulate: Callable[..., list] | None = None
 
 
 @dataclass
@@ -54,6 +58,30 @@ def _resident(model: nn.Module, wl: Workload, device: torch.device) -> Session:
 
 def resident_variant(name: str = "resident") -> Variant:
     return Variant(name, _resident, "resident")
+
+
+def _resident_compile(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+    """Resident with its repeated blocks compiled the way the engine's compile=True compiles them
+    (offload_core.compiled.compile_blocks: the same regional torch.compile, static shapes)."""
+    from offload_core.compiled import compile_blocks
+
+    sess = _resident(model, wl, device)
+    compiler = compile_blocks(model)
+    sess.stats, sess.teardown, sess.config = compiler.stats, compiler.remove, {"compile": True}
+    return sess
+
+
+def fresh_dynamo(variant: Variant) -> Variant:
+    """A compiled variant starts with dynamo's in-memory graphs dropped, so its first step compiles
+    (and counts) its own instead of reusing an earlier variant's. Inductor's on-disk cache stays, as
+    it would for a second job on the box: the row says how many of its graphs came from there."""
+    setup = variant.setup
+
+    def fresh(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        torch._dynamo.reset()
+        return setup(model, wl, device)
+
+    return Variant(variant.name, fresh, variant.family, variant.config)
 
 
 # ---- ours -------------------------------------------------------------------------------------
@@ -107,9 +135,11 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
             remove = getattr(mgr, "remove", None) or getattr(getattr(mgr, "handle", None), "remove", lambda: None)
             return Session(model, remove, opt, mgr.stats, mgr.after_backward, run_cfg,
                            planning=lambda: bool(getattr(mgr, "planning", False)))
+        micro_batches = run_cfg.pop("micro_batches", 1)
         h = enable_offload(model, target_device=str(device), **run_cfg)
         opt = wl.make_optimizer(model) if wl.train else None  # LoRA params stay resident
-        return Session(model, h.remove, opt, h.stats, None, run_cfg, planning=lambda: h.planning)
+        return Session(model, h.remove, opt, h.stats, None, dict(run_cfg, micro_batches=micro_batches),
+                       planning=lambda: h.planning, micro_batches=micro_batches, accumulate=h.accumulate)
 
     return Variant(name, setup, "ours", cfg)
 
@@ -174,6 +204,9 @@ def _accelerate(model: nn.Module, wl: Workload, device: torch.device) -> Session
 def variants_for(wl: Workload) -> list[Variant]:
     """Every variant of a workload, in run order (ours before the peers, so their pinned caches can't help us)."""
     out = [Variant("resident", _resident, "resident"), Variant("resident-repeat", _resident, "resident")]
+    if wl.name in ("p1", "flux-dev-lora-8g"):
+        # compiled blocks (offload_core/compiled.py): resident compiled the same way is their reference
+        out.append(fresh_dynamo(Variant("resident-compile", _resident_compile, "resident", {"compile": True})))
     if wl.optimizer_offload:
         # the seed's toy unchanged, then our engine with the optimizer passed in (as before)
         out.append(ours_variant("ours-seed", as_written=True))
@@ -194,6 +227,8 @@ def variants_for(wl: Workload) -> list[Variant]:
         # the other fp8 scalings, for the speed side of the quality trade (bench/RESULTS.md, "fp8 quality")
         out.append(ours_variant("ours-fp8-tensor", weight_dtype="float8_e4m3fn", fp8_scaling="tensor"))
         out.append(ours_variant("ours-fp8-block", weight_dtype="float8_e4m3fn", fp8_scaling="block"))
+        out.append(fresh_dynamo(ours_variant("ours-compile", compile=True)))
+        out.append(fresh_dynamo(ours_variant("ours-fp8-compile", weight_dtype="float8_e4m3fn", compile=True)))
     if wl.name in ("p1", "flux-dev-lora-8g"):
         # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
         out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))
@@ -203,6 +238,12 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))
         # every step inside optimizer.step(), with the optimizer's own kernel: the engine as it was
         out.append(ours_variant("ours-serial-step", overlap_optimizer_step=False, fused_cpu_optimizer=False))
+    if wl.name in ("p2", "flux-dev-lora-8g"):
+        # gradient accumulation, one optimizer step over K micro-batches: the plain loop streams the
+        # weights K times, layer-major order once (issue 32: layer K=4 within 1.35x of one micro-batch)
+        for k in (2, 4):
+            out.append(ours_variant(f"ours-accum{k}", micro_batches=k, accumulation_order="micro"))
+            out.append(ours_variant(f"ours-accum{k}-layer", micro_batches=k, accumulation_order="layer"))
     if wl.train:
         out.append(ours_variant("serial-hooks", use_streams=False, prefetch=0))
     out += [

@@ -78,10 +78,21 @@ def _cells(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _compile_note(r: dict[str, Any]) -> str:
+    """A compiled variant's first step: its wall time, the part spent compiling, graphs and recompiles."""
+    if not r.get("config", {}).get("compile") or r.get("first_step_s") is None:
+        return ""
+    st = r.get("stats") or {}
+    cache = r.get("inductor_cache") or {}
+    return (f"compiled: first step {r['first_step_s']:.1f} s ({st.get('compile_seconds', 0.0):.1f} s compiling, "
+            f"{st.get('compile_graphs', '?')} graphs, {st.get('recompiles', '?')} recompiles; inductor cache "
+            f"{cache.get('hit', 0)} hit / {cache.get('miss', 0)} miss)")
+
+
 def _short_note(r: dict[str, Any]) -> str:
     cfg = r.get("config", {})
     if r.get("family") != "ours":
-        return ""
+        return _compile_note(r)
     st = r.get("stats") or {}
     depth = st.get("prefetch_depth", cfg.get("prefetch"))
     pinned = cfg.get("prefetch") is not None
@@ -92,6 +103,8 @@ def _short_note(r: dict[str, Any]) -> str:
         bits.append("no streams")
     if cfg.get("weight_dtype"):
         bits.append(str(cfg["weight_dtype"]) + (f" {cfg['fp8_scaling']}" if cfg.get("fp8_scaling") else ""))
+    if _compile_note(r):
+        bits.append(_compile_note(r))
     if isinstance(cfg.get("vram_budget"), (int, float)):
         b = cfg["vram_budget"]
         bits.append(f"budget {b / 1e9:.2f} GB" if b >= 1e8 else f"budget {b / 1e6:.2f} MB")

@@ -42,6 +42,13 @@ def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
         return infer
 
     def train() -> torch.Tensor:
+        if sess.micro_batches > 1:
+            # one optimizer step over K copies of the inputs; the mean of K equal losses is the loss
+            k = sess.micro_batches
+            losses = sess.accumulate([inputs] * k, lambda b: wl.loss(sess.model, b) / k)
+            sess.optimizer.step()
+            sess.optimizer.zero_grad(set_to_none=True)
+            return torch.stack(losses).sum().detach().clone()
         loss = wl.loss(sess.model, inputs)
         loss.backward()
         if sess.after_backward is not None:
@@ -53,6 +60,13 @@ def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
         return loss.detach().clone()
 
     return train
+
+
+def _inductor_cache() -> dict[str, int]:
+    """Inductor's FX graph cache hits and misses so far in this process (0 before anything compiled)."""
+    from torch._dynamo.utils import counters
+
+    return {k: int(counters["inductor"].get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss")}
 
 
 def _numeric(stats: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +176,18 @@ def run_variant(
             row["note"] = sess.note
         step = _step_fn(wl, sess, inputs)
 
-        warm_results = [step() for _ in range(warmup)]
+        warm_results = []
+        if warmup:
+            # the first step on its own: a compiled variant compiles in it (how many of inductor's
+            # graphs came from its on-disk cache says whether that compile was cold)
+            cache0 = _inductor_cache()
+            t1 = time.perf_counter()
+            warm_results.append(step())
+            sync(device)
+            row["first_step_s"] = time.perf_counter() - t1
+            if variant.config.get("compile"):
+                row["inductor_cache"] = {k: v - cache0.get(k, 0) for k, v in _inductor_cache().items()}
+        warm_results += [step() for _ in range(warmup - len(warm_results))]
         # Steady state: an engine still choosing its plan (growth rounds, a retry) is not timed yet.
         while sess.planning is not None and sess.planning() and len(warm_results) < warmup + MAX_SETTLE_STEPS:
             warm_results.append(step())
@@ -200,14 +225,14 @@ def run_variant(
         else:
             result = results[-1].float().cpu()
         del warm_results, results
-        if ref is None:
-            ref_new = Reference()
-            if wl.train:
-                ref_new.trajectory = result
-            else:
-                ref_new.output = result
-            row["_reference"] = ref_new
+        # every row offers its result as a reference (the caller keeps resident's and resident-compile's)
+        ref_new = Reference()
+        if wl.train:
+            ref_new.trajectory = result
         else:
+            ref_new.output = result
+        row["_reference"] = ref_new
+        if ref is not None:
             _compare(row, wl, result, ref, variant)
 
         if profile and device.type == "cuda":

@@ -19,6 +19,7 @@ from jobs._cli import cancel, delete, init, logs, prune, ps, report, retry, sche
 from jobs._cli import outputs, signal  # issue 15: train/infer runners
 from jobs._cli import workers  # issue 13: workers on a shared store
 from jobs._cli import pull  # issue 28: models from the hub
+from jobs._cli import models  # issue 31: what the worker's model roots hold
 from jobs._cli.lazy_coercion import defer_coercion
 from jobs._cli.output import error_line
 from jobs.errors import JobsError
@@ -106,6 +107,7 @@ app.command("init", rich_help_panel=_SPEC)(init.init)
 app.command("schema", rich_help_panel=_SPEC)(schema.schema)
 app.command("shard", rich_help_panel=_SPEC)(shard.shard)
 app.command("pull", rich_help_panel=_SPEC)(pull.pull)
+app.command("models", rich_help_panel=_SPEC)(models.models)
 app.command("worker", rich_help_panel=_WORKER)(worker.worker)
 app.command("up", rich_help_panel=_WORKER)(worker.up)
 app.command("down", rich_help_panel=_WORKER)(worker.down)

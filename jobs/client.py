@@ -249,6 +249,12 @@ class JobsClient:
         job on each), slots, executors, heartbeat age and status (up, lost, stopped), and what it runs."""
         return self._request("GET", "/v1/workers")
 
+    def models(self) -> dict[str, Any]:
+        """{"roots": [{path, exists}], "models": [...], "truncated": bool}: the checkpoints the worker sees
+        under its model roots (jobs.catalog), each with kind, field, family, layout, dtype, bytes, converted
+        and sharded."""
+        return self._request("GET", "/v1/models")
+
     def delete(self, job_id: str) -> dict[str, Any]:
         """Remove a finished job, its history and its run dir."""
         return self._request("DELETE", f"/v1/jobs/{job_id}")

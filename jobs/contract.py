@@ -139,6 +139,7 @@ class EngineStats(TypedDict, total=False):
     cache_misses: int
     cache_evictions: int
     h2d_bytes: int
+    h2d_bytes_per_optimizer_step: float  # over the steps so far: the weights' crossings each step (train.accumulation_order)
     h2d_gbps: float
     disk_gbps: float  # a disk-backed store only (lazy_load, offload_to_disk)
     stall_ms: float  # cumulative
@@ -153,6 +154,11 @@ class EngineStats(TypedDict, total=False):
     host_store_reason: str
     pinned_limit_bytes: int  # the bounce store's limit on pinned bytes
     bounce_fill_gbps: float  # the bounce ring's fill threads, each thread's own memcpy rate
+    # offload.compile only (offload_core/compiled.py): graphs compiled, those after the first step, and
+    # the seconds spent compiling (cumulative; the first step pays nearly all of it)
+    compile_graphs: int
+    recompiles: int
+    compile_seconds: float
 
 
 class _Names:

@@ -7,7 +7,8 @@
         jobs.db        the SQLite store (WAL)
         runs/<id>/     one run dir per job
         models/        models fetched from the hub (the worker's model cache; $OFFLOAD_JOBS_MODEL_CACHE,
-                       /models in the container)
+                       /models in the container); `offload-jobs models` lists it and the folders
+                       of $OFFLOAD_JOBS_MODEL_ROOTS (os.pathsep-separated; jobs.catalog)
 
 The state dir is 0700 and every file in it 0600: specs carry `env:` secrets (HF_TOKEN, ...).
 """

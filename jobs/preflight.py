@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from jobs.errors import SpecError
@@ -37,6 +38,8 @@ PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("model.path", "any", ("train", "infer")),
     ("model.base", "any", ("train", "infer")),
     ("model.transformer", "any", ("train", "infer")),
+    ("model.vae", "any", ("train", "infer")),
+    ("model.text_encoders", "any", ("train", "infer")),  # a list: each item
     ("train.dataset", "dir", ("train",)),
     ("infer.prompt_file", "any", ("infer",)),
 ]
@@ -54,11 +57,12 @@ def spec_paths(spec: JobSpec) -> list[tuple[str, str, str]]:
         value = _get(spec, field)
         if field in ("model.path", "model.base") and _hub_id(value, base):
             continue  # fetched from the hub by the job
-        if isinstance(value, str) and value:
-            path = os.path.expanduser(value)
-            if field != "workdir" and base and not os.path.isabs(path):
-                path = os.path.normpath(os.path.join(base, path))
-            out.append((field, path, what))
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and item:
+                path = os.path.expanduser(item)
+                if field != "workdir" and base and not os.path.isabs(path):
+                    path = os.path.normpath(os.path.join(base, path))
+                out.append((field, path, what))
     return out
 
 
@@ -127,7 +131,8 @@ def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) 
             raise SpecError(field, f"{path} {why} on the worker")
         if what == "any" and not os.path.exists(path):
             raise SpecError(field, f"{path} does not exist on the worker")
-    paths = {field: path for field, path, _ in spec_paths(spec)}
+    listed = spec_paths(spec)
+    paths = {field: path for field, path, _ in listed}
     for field, path in paths.items():  # every path is there: is the model one we can load?
         if field in ("model.path", "model.base"):
             why = model_layout_error(path, field)
@@ -137,3 +142,17 @@ def preflight(spec: JobSpec, *, has_image: Callable[[str], bool] | None = None) 
         why = transformer_error(spec, paths["model.transformer"], paths.get("model.base") or paths.get("model.path"))
         if why:
             raise SpecError("model.transformer", why)
+    encoders = [path for field, path, _ in listed if field == "model.text_encoders"]
+    base = paths.get("model.base") or paths.get("model.path")
+    if (encoders or "model.vae" in paths) and base is not None:  # a hub base: checked by the job
+        from jobs.runners.component_files import check_parts
+        from jobs.runners.errors import RunnerInputError
+        from jobs.runners.folders import detect_family
+
+        try:
+            vae = paths.get("model.vae")
+            check_parts(detect_family(base, spec.model.family), base, [Path(p) for p in encoders],
+                        Path(vae) if vae else None)
+        except RunnerInputError as exc:
+            field, _, why = str(exc).partition(": ")
+            raise SpecError(field, why) from None

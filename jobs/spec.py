@@ -216,6 +216,19 @@ class OffloadSpec(_Strict):
     split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
     treat_as_inference: Optional[bool] = Field(
         None, description="Stream every weight as frozen (default: when no parameter is frozen).")
+    compile: Optional[bool] = Field(
+        None, description="torch.compile each repeated block class once (regional, static shapes; with enabled "
+                          "false too): the first step pays the compile (tens of seconds at Flux-dev size), later "
+                          "steps run faster. Needs offload_granularity block or auto, and no split_threshold_mb.")
+
+    @model_validator(mode="after")
+    def _compile_needs_whole_blocks(self) -> "OffloadSpec":
+        if self.compile and (self.offload_granularity in ("leaf", "phase") or self.split_threshold_mb is not None):
+            what = "split_threshold_mb" if self.split_threshold_mb is not None else f"offload_granularity: {self.offload_granularity}"
+            raise _FieldError("offload.compile", f"compiles whole blocks, but {what} streams parts of them "
+                                                 "(the engine's hooks would land inside the compiled graph); use "
+                                                 "offload_granularity block or auto, without split_threshold_mb")
+        return self
 
     @model_validator(mode="after")
     def _fp8_scaling_needs_fp8(self) -> "OffloadSpec":
@@ -298,6 +311,10 @@ class JobSpec(_Strict):
         if contract.Reason.CANCELLED in self.retry.on:
             raise _FieldError("retry.on", "a cancelled job is never retried; remove `cancelled`")
         self._move_offload_keys()
+        if self.kind == "train" and self.train.accumulation_order == "layer" and self.offload.enable_optimizer_cpu_offload:
+            raise _FieldError("train.accumulation_order", "layer needs the LoRA weights resident; "
+                                                          "offload.enable_optimizer_cpu_offload streams them (use micro, "
+                                                          "or turn optimizer offload off)")
         env_bytes = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) + 2 for k, v in self.env.items())
         cmd = self.command if isinstance(self.command, list) else [self.command or ""]
         if env_bytes + sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in cmd) > MAX_ARGV_TOTAL:
@@ -307,12 +324,21 @@ class JobSpec(_Strict):
 
     def _model_sources(self) -> None:
         m = self.model
+        for i, f in enumerate(m.text_encoders or []):
+            if not f.strip():
+                raise _FieldError("model.text_encoders", f"item {i} must not be empty")
+        if m.vae is not None and not m.vae.strip():
+            raise _FieldError("model.vae", "must not be empty")
         if m.transformer is None:
-            if not m.path:
+            parts = bool(m.text_encoders) or m.vae is not None
+            if not m.path and not (parts and m.base):
                 raise _FieldError("model.path", f"a {self.kind} job needs `model.path` (or `model.transformer` "
                                                 "and `model.base`)")
-            if m.base:
-                raise _FieldError("model.base", "is read only with `model.transformer`; use `model.path`")
+            if m.base and not parts:
+                raise _FieldError("model.base", "is read only with `model.transformer`, `model.text_encoders` or "
+                                                "`model.vae`; use `model.path`")
+            if m.base and m.path:
+                raise _FieldError("model.base", "set `model.base` or `model.path`, not both")
             return
         if not m.transformer.strip():
             raise _FieldError("model.transformer", "must not be empty")

@@ -62,8 +62,13 @@ class ModelSpec(_Strict):
         None, description="The transformer as a single .safetensors file (or a folder of them) in the BFL/original, "
                           "ComfyUI (any prefix) or diffusers layout; converted once into the model cache.")
     base: Optional[str] = Field(
-        None, description="With `transformer`: a diffusers folder or hub id for the rest (text encoders, VAE, "
-                          "tokenizers, configs); default `path`.")
+        None, description="With `transformer`, `text_encoders` or `vae`: a diffusers folder or hub id for the rest "
+                          "(text encoders, VAE, tokenizers, configs); default `path`.")
+    text_encoders: Optional[list[str]] = Field(
+        None, description="Text encoders as single .safetensors files, in place of the base's: Flux `clip_l` and/or "
+                          "`t5xxl`, Wan `umt5_xxl` (bf16/fp16/fp8, plain or scaled); told apart by their tensors.")
+    vae: Optional[str] = Field(None, description="The VAE as a single .safetensors file (BFL/LDM, Wan native or diffusers "
+                                                 "names), in place of the base's.")
     family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")
@@ -121,6 +126,11 @@ class TrainSpec(_Strict):
     num_epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Passes over the dataset (instead of steps).")
     batch_size: int = Field(1, ge=1, le=65536, description="Items per micro-batch, all from one aspect bucket.")
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
+    accumulation_order: Literal["micro", "layer"] = Field(
+        "micro", description="With gradient_accumulation_steps > 1: micro runs each micro-batch's forward and backward "
+                             "in turn (the weights stream once per micro-batch); layer runs all of them through each "
+                             "block before the next, so the weights stream once per optimizer step, with the same "
+                             "gradients bitwise (not with offload.enable_optimizer_cpu_offload, nor dropout).")
     learning_rate: float = Field(1e-4, gt=0.0, le=1e32)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0, le=10**9)

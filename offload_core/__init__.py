@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from .api import OffloadHandle, enable_offload
+from .compiled import compile_blocks
 from .config import Granularity, OffloadConfig, parse_bytes
 from .errors import (
     AlreadyOffloadedError,
@@ -30,6 +31,7 @@ from .errors import (
     OptimizerOverlapError,
     ShardError,
     VramBudgetError,
+    LayerOrderError,
 )
 from .pipeline import PipelineOffload, enable_pipeline_offload
 from .hoststore import HostStore
@@ -56,6 +58,8 @@ __all__ = [
     "PipelineOffload",
     "ShardError",
     "VramBudgetError",
+    "LayerOrderError",
+    "compile_blocks",
     "enable_offload",
     "enable_pipeline_offload",
     "parse_bytes",

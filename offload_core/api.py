@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +43,22 @@ class OffloadHandle:
 
     def reset_stats(self) -> None:
         self.engine.reset_stats()
+
+    def accumulate(self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any],
+                   order: str | None = None) -> list[Any]:
+        """One optimizer step's forwards and backwards: ``loss_fn(batch)`` returns a micro-batch's loss
+        (scaled by 1/K as a plain loop would), and its gradients land in ``.grad`` as K
+        ``loss.backward()`` calls would put them, bitwise. ``order`` (default the config's
+        ``accumulation_order``): "micro" is that plain loop; "layer" runs all K through each unit
+        before the next, so the weights cross the link once for the K (lockstep.py).
+
+        >>> losses = handle.accumulate(batches, lambda b: F.mse_loss(model(b.x), b.y) / len(batches))
+        >>> optimizer.step(); optimizer.zero_grad()
+
+        Returns what ``loss_fn`` returned for each batch, detached."""
+        from .lockstep import accumulate
+
+        return accumulate(self.engine, micro_batches, loss_fn, order)
 
     def remove(self) -> None:
         if self.trainer is not None:

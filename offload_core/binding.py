@@ -145,6 +145,9 @@ class Binder:
                 ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
                 ctx.__enter__()
                 self._recompute_hooks[id(module)] = ctx
+            lockstep = self.e.lockstep
+            if lockstep is not None and any(self.depth.get(u.uid, 0) == 0 for u in units):
+                lockstep.arrive()  # layer-major accumulation: the next micro-batch's turn first (lockstep.py)
             for u in units:
                 depth = self.depth.get(u.uid, 0)
                 self.depth[u.uid] = depth + 1

@@ -97,11 +97,21 @@ class OffloadConfig:
     # to calling optimizer.step() on a resident model.
     fused_cpu_optimizer: bool = True
     gradient_accumulation_steps: int = 1
+    # handle.accumulate(micro_batches, loss_fn): "micro" runs each micro-batch's forward and backward in
+    # turn (the model streams K times a step); "layer" runs all K through each unit before the next,
+    # forward and backward, so each weight crosses once as for one micro-batch, with the same gradients
+    # bitwise (lockstep.py)
+    accumulation_order: str = "micro"
     weight_dtype: str | None = None
     # With weight_dtype float8_e4m3fn: one scale per tensor, per output channel ("row") or per
     # 128 x 128 tile ("block"); quant.py. None: row for weights packed from RAM (the measured
     # trade: bench/RESULTS.md, "fp8 quality"), tensor for shards (their format holds one scale a tensor).
     fp8_scaling: str | None = None
+    # Compile each repeated block class once with torch.compile (regional, static shapes), the
+    # engine's hooks outside the compiled region (compiled.py). The first step pays the compile
+    # (tens of seconds at Flux-dev size); swapping weights between slots never recompiles. Needs
+    # each block streamed whole: block (or auto) granularity, no split_threshold_mb.
+    compile: bool = False
     # Units bigger than this many MB (of bytes) are split into their children.
     split_threshold_mb: float | None = None
     # Copy on side streams with events; False gives the serial baseline (same code path).
@@ -159,6 +169,12 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"gradient_accumulation_steps: must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"
             )
+        if self.accumulation_order not in ("micro", "layer"):
+            raise OffloadConfigError(
+                f"accumulation_order: unknown value {self.accumulation_order!r} (choose micro or layer)")
+        if self.accumulation_order == "layer" and self.enable_optimizer_cpu_offload:
+            raise OffloadConfigError("accumulation_order: layer needs the trainable parameters resident; "
+                                     "enable_optimizer_cpu_offload streams them (use micro, or turn it off)")
         for key in ("overlap_optimizer_step", "treat_as_inference"):
             if getattr(self, key) not in (None, True, False):
                 raise OffloadConfigError(f"{key}: expected true, false or null, got {getattr(self, key)!r}")
@@ -181,6 +197,12 @@ class OffloadConfig:
             if self.fp8_scaling != "tensor" and (self.lazy_load or self.offload_to_disk):
                 raise OffloadConfigError(f"fp8_scaling: {self.fp8_scaling} scales are not in the shard format yet; "
                                          "with lazy_load or offload_to_disk use tensor (or leave it unset)")
+        if self.compile is True and (self.offload_granularity in (Granularity.LEAF, Granularity.PHASE)
+                                     or self.split_threshold_mb is not None):
+            what = ("split_threshold_mb splits blocks" if self.split_threshold_mb is not None
+                    else f"offload_granularity {self.offload_granularity.value} hooks modules")
+            raise OffloadConfigError(f"compile: compiled blocks need each block streamed whole, but {what} inside "
+                                     "them; use offload_granularity block (or auto) without split_threshold_mb")
         if (self.lazy_load or self.offload_to_disk) and not self.shard_dir:
             raise OffloadConfigError("shard_dir: required when lazy_load or offload_to_disk is set")
         if self.lazy_load and self.offload_to_disk:
@@ -195,7 +217,7 @@ class OffloadConfig:
             self.weights = os.fspath(self.weights)
         if self.disk_cache_policy not in ("belady", "fifo", "lru"):
             raise OffloadConfigError(f"disk_cache_policy: unknown value {self.disk_cache_policy!r} (choose belady, fifo or lru)")
-        for key in ("disk_verify",):
+        for key in ("disk_verify", "compile"):
             if not isinstance(getattr(self, key), bool):
                 raise OffloadConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         if self.disk_direct not in (None, True, False):

@@ -22,6 +22,7 @@ Life of a streamed unit:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -37,11 +38,13 @@ from . import planner, registry
 from .arena import PinnedArena
 from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, pinned_limit
 from .binding import Binder, set_data
+from .compiled import BlockCompiler, refuse_patched
 from .config import OffloadConfig
 from .device import resolve_device
 from .errors import FrozenWeightError, LossyStorageWarning, NotAModuleError, OffloadConfigError
 from .hostmem import trim_host_heap
 from .link import LinkPacer
+from .lockstep import Lockstep
 from .masters import Masters
 from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into
 from .replan import Replanner
@@ -95,6 +98,9 @@ class OffloadEngine:
         self._last_timed = 0  # the last timed cycle
         self._span_from: tuple | None = None  # (trace position, event, cycle, uid) of the last use's start
         self._removed = False
+        self.lockstep: Lockstep | None = None  # while a layer-major group's forwards run (lockstep.py)
+        self._group_depth = 0
+        self.lockstep_widths: dict[int, list[int]] = {}  # per K, each round's segment length last time (lockstep.py)
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)
@@ -107,6 +113,7 @@ class OffloadEngine:
         self.layout = discover_units(model, config.offload_granularity, split, stream_trainable=stream_trainable,
                                    all_frozen=self.treat_as_inference)
         self.units: list[Unit] = self.layout.units
+        blocks = self._blocks_to_compile() if config.compile else []
         depth = planner.initial_depth(config.prefetch, config.vram_budget)
         residency = planner.plan_residency(
             self.units, cpu_offload=config.cpu_offload, stray_resident_fraction=config.stray_resident_fraction,
@@ -163,6 +170,8 @@ class OffloadEngine:
         self.use_streams = self.transfer.use_streams
         self.replanner = Replanner(self)
         self._install_hooks()
+        # after the hooks (they stay on the blocks' __call__, outside what is compiled)
+        self.compiler = BlockCompiler(blocks, cycle=lambda: self.schedule.cycles) if blocks else None
         for u in self.streamed:
             self.binder._spec(u)  # each tensor's binding, and the tensor object it was given (binding.py)
         self.masters = Masters(self)  # state_dict() and load_state_dict() read and write the host masters
@@ -200,6 +209,23 @@ class OffloadEngine:
             # Read onto the device from the files; remove() leaves them on the host, as from_pretrained would.
             self._resident_moved += [(m, attr, is_param, torch.device("cpu")) for m, attr, is_param in placed]
         return arena
+
+    def _blocks_to_compile(self) -> list[nn.Module]:
+        """The blocks compile=True compiles (compiled.py): every item of the block lists, each of
+        which must be one unit anchored on the block itself, or its hooks would be inside the graph."""
+        blocks = [b for name in self.layout.block_lists for b in self.model.get_submodule(name).children()]
+        if not blocks:
+            raise OffloadConfigError(f"compile: {type(self.model).__name__} has no block list (a ModuleList of at "
+                                     "least two blocks) to compile; leave compile off for this model")
+        anchors = {id(u.anchor): u.name for u in self.units}
+        for block in blocks:
+            inner = next((anchors[id(m)] for n, m in block.named_modules() if n and id(m) in anchors), None)
+            if inner is not None:
+                raise OffloadConfigError(f"compile: {inner} is a unit of its own inside its block, so the engine's "
+                                         "hooks would be inside the compiled graph; compiled blocks need each block "
+                                         "streamed whole (offload_granularity block, no split_threshold_mb)")
+        refuse_patched(blocks)
+        return blocks
 
     def _pin_or_bounce(self, arena: PinnedArena) -> HostStore:
         """The arena pinned whole, or, where the box will not pin that much, the same pageable
@@ -291,6 +317,27 @@ class OffloadEngine:
             self.ring.forget(uid)
 
     # ------------------------------------------------------------------ root hooks
+    def begin_group(self, lockstep: Lockstep) -> None:
+        """Layer-major accumulation (lockstep.py): K forwards of the root run as one cycle, their
+        workers switching at every streamed unit's entry; their own root hooks nest inside this one."""
+        self._group_depth = self._root_depth
+        self._root_pre(self.model, ())
+        if self._saved_hooks is not None:  # thread-local: each worker enters its own (saved_weight_refs)
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        self.counters.accumulation_groups += 1
+        self.lockstep = lockstep
+
+    def end_group(self) -> None:
+        self.lockstep = None
+        self._root_depth = self._group_depth  # a worker that failed may have left its root forward early
+
+    def saved_weight_refs(self) -> Any:
+        """The saved-tensor hooks that turn saved weight views into references (entered per thread)."""
+        if torch.is_grad_enabled() and self.streamed:
+            return torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved, self.binder.unpack_saved)
+        return contextlib.nullcontext()
+
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         self._root_depth += 1
         if self._root_depth > 1:
@@ -314,8 +361,7 @@ class OffloadEngine:
                 self._time_this_cycle()
             self._prefetch_first()
         if torch.is_grad_enabled() and self.streamed:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.binder.pack_saved,
-                                                                     self.binder.unpack_saved)
+            self._saved_hooks = self.saved_weight_refs()
             self._saved_hooks.__enter__()
 
     TIMED_FIRST = 3  # the first cycles are always timed, so stats() has readings from the start
@@ -526,6 +572,8 @@ class OffloadEngine:
             compute_ms=compute_ms,
             h2d_gbps=(c.timed_h2d_bytes / 1e9) / (timed_h2d_ms / 1e3) if timed_h2d_ms > 0 else 0.0,
             link_stats=self.pacer.stats() if self.pacer is not None else {},
+            h2d_bytes_per_optimizer_step=c.accumulate_h2d_bytes / c.accumulate_calls if c.accumulate_calls else 0.0,
+            compile_stats=self.compiler.stats() if self.compiler is not None else {},
         )
 
     def reset_stats(self) -> None:
@@ -548,6 +596,8 @@ class OffloadEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.compiler is not None:
+            self.compiler.remove()
         self.synchronize()
         for uid in list(self.binder.bound):
             self.binder.unbind(self.units[uid])

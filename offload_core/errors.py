@@ -2,7 +2,8 @@
 
     OffloadError
     ├── OffloadConfigError        a bad config key or value (unknown granularity, bad budget)
-    │   └── VramBudgetError       vram_budget cannot hold what the model needs (ring, residents, activations)
+    │   ├── VramBudgetError       vram_budget cannot hold what the model needs (ring, residents, activations)
+    │   └── LayerOrderError       accumulation_order="layer" on a forward it cannot run layer-major (random draws)
     ├── NotAModuleError           enable_offload / the manager was given something else
     ├── AlreadyOffloadedError     enable_offload on a module (or part of one) that is offloaded already
     ├── DeviceUnavailableError    target_device names a device this machine lacks
@@ -26,6 +27,7 @@ __all__ = [
     "OffloadError",
     "OffloadConfigError",
     "VramBudgetError",
+    "LayerOrderError",
     "NotAModuleError",
     "AlreadyOffloadedError",
     "DeviceUnavailableError",
@@ -49,6 +51,11 @@ class OffloadConfigError(OffloadError, ValueError):
 
 class VramBudgetError(OffloadConfigError):
     """vram_budget is too small for the ring, the resident tensors and the measured activations."""
+
+
+class LayerOrderError(OffloadConfigError):
+    """accumulation_order="layer" met a forward it cannot run layer-major: one that draws random numbers
+    (dropout), which a checkpoint would replay from where every micro-batch stood at once."""
 
 
 class NotAModuleError(OffloadError, TypeError):

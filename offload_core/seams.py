@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .binding import Binder
     from .config import OffloadConfig
     from .hoststore import HostStore
+    from .lockstep import Lockstep
     from .masters import Masters
     from .quant import UnitWidener
     from .schedule import Schedule
@@ -46,6 +47,7 @@ class BinderHost(Protocol):
     store: HostStore
     transfer: Transfer
     masters: Masters
+    lockstep: Lockstep | None
 
     def use(self, u: Unit, backward: bool = False) -> Slot: ...
 

@@ -54,6 +54,11 @@ class Counters:
     timed_steps: int = 0  # steps whose uses and copies were timed (every one while planning, then 1 in timing_every)
     saved_refs: int = 0  # autograd-saved weight views replaced by references
     refetches: int = 0  # backward uses that had to load a unit again
+    accumulate_calls: int = 0  # accumulate() calls (lockstep.py): one optimizer step's micro-batches each
+    accumulate_h2d_bytes: int = 0  # H2D bytes copied inside accumulate() calls
+    accumulation_groups: int = 0  # of them, layer-major ones (accumulation_order="layer")
+    lockstep_switches: int = 0  # micro-batch switches at unit entries in layer-major forwards
+    lockstep_pad_nodes: int = 0  # sequence numbers skipped to order the layer-major backward (lockstep.py)
 
     UNREPORTED = ("timed_h2d_bytes",)  # feeds the copy rate (h2d_gbps) only
 
@@ -99,6 +104,11 @@ class EngineStats:
     prefetch_misses: int
     saved_refs: int
     refetches: int
+    accumulate_calls: int
+    accumulate_h2d_bytes: int
+    accumulation_groups: int
+    lockstep_switches: int
+    lockstep_pad_nodes: int
     steps: int
     planning: bool
     trace_length: int
@@ -116,10 +126,15 @@ class EngineStats:
     stall_ms: float
     compute_ms: float
     h2d_gbps: float
+    # accumulate_h2d_bytes / accumulate_calls: with accumulation_order="layer" about one step's
+    # weights crossing (2x the streamed bytes with checkpointing), with "micro" K times that
+    h2d_bytes_per_optimizer_step: float = 0.0
     optimizer_stats: dict[str, Any] = field(default_factory=dict)  # optimizer offload's own keys, when it is on
     link_stats: dict[str, Any] = field(default_factory=dict)  # debug_link_gbps's keys (link.py), when it is set
+    # compile=True's keys (compiled.py): compiled_blocks, compile_graphs, recompiles, compile_seconds
+    compile_stats: dict[str, Any] = field(default_factory=dict)
 
-    MERGED = ("store_stats", "optimizer_stats", "link_stats")  # fields whose keys are merged into the dict, not kept under their name
+    MERGED = ("store_stats", "optimizer_stats", "link_stats", "compile_stats")  # fields whose keys are merged into the dict, not kept under their name
     TIMED_CYCLE = ("measured_step_ms", "predicted_step_ms")  # in the dict only once a cycle was timed
 
     def as_dict(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ trainable parameters stay resident unless optimizer offload is on (see optim_off
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -61,6 +61,11 @@ class OffloadTrainingManager:
         """Call after loss.backward() and before optimizer.step()."""
         if self.handle.trainer is not None:
             self.handle.trainer.after_backward()
+
+    def accumulate(self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any],
+                   order: str | None = None) -> list[Any]:
+        """One optimizer step's micro-batches, forward and backward (OffloadHandle.accumulate)."""
+        return self.handle.accumulate(micro_batches, loss_fn, order)
 
     @property
     def planning(self) -> bool:

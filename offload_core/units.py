@@ -28,7 +28,7 @@ from torch import nn
 
 from .config import Granularity
 
-__all__ = ["UnitTensor", "Unit", "UnitLayout", "discover_units", "ALIGN", "TensorSlot", "UnitPlan"]
+__all__ = ["UnitTensor", "Unit", "UnitLayout", "discover_units", "find_block_lists", "ALIGN", "TensorSlot", "UnitPlan"]
 
 ALIGN = 64
 
@@ -208,7 +208,7 @@ def _subtree_bytes(m: nn.Module) -> int:
     return total
 
 
-def _find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """The outermost ModuleLists/Sequentials of at least two items that own tensors."""
     found: list[tuple[str, nn.ModuleList]] = []
 
@@ -314,7 +314,7 @@ def discover_units(
             subtree_unit(child)
 
     g = Granularity(granularity)
-    block_lists = _find_block_lists(model)
+    block_lists = find_block_lists(model)
     if g is Granularity.AUTO:
         g = Granularity.BLOCK if block_lists else Granularity.LEAF
 

@@ -386,7 +386,7 @@ def _write_private(path: Path, text: str) -> None:
 
 # ------------------------------------------------------------ validate: host paths a container cannot see
 
-_PATH_FIELDS = ("model.path", "model.transformer", "model.base", "train.dataset", "shard.src", "shard.dst", "offload.shard_dir", "workdir")
+_PATH_FIELDS = ("model.path", "model.transformer", "model.vae", "model.base", "train.dataset", "shard.src", "shard.dst", "offload.shard_dir", "workdir")
 
 
 def mount_warnings(spec: JobSpec, home: Path) -> list[str]:

@@ -57,7 +57,7 @@ def validate(
         typer.echo("ok")
 
 
-_PATH_FIELDS = ("workdir", "model.path", "model.transformer", "model.base", "train.dataset", "shard.src", "shard.dst", "offload.shard_dir")
+_PATH_FIELDS = ("workdir", "model.path", "model.transformer", "model.vae", "model.base", "train.dataset", "shard.src", "shard.dst", "offload.shard_dir")
 
 
 def container_hint(data: dict[str, Any], field: str | None, home: Path) -> str | None:

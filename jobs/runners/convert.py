@@ -291,7 +291,8 @@ def converted_transformer(det: Detected, base_dir: Path | None, root: Path,
         except CheckpointError:
             shutil.rmtree(partial, ignore_errors=True)  # the user's file is at fault: keep no half of it
             raise
-        publish_entry(partial, entry, {"key": key, "source": str(det.path), "layout": det.layout,
+        files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in det.files]  # `models` reads them
+        publish_entry(partial, entry, {"key": key, "source": str(det.path), "layout": det.layout, "files": files,
                                        "bytes": out.written_bytes, "created": time.time()})
         out.seconds = time.monotonic() - t0
     return out

@@ -173,7 +173,7 @@ def _run(lead_: _Lead, ok: list[_Job]) -> None:
                 lead_.metrics(j).write(row)
 
         ready = prepare_model(spec, first.run_dir, device, cap, dtype, checked.model_dir, family, checked.lora, every,
-                              watch, on_row, checked.transformer)
+                              watch, on_row, checked.transformer, files=checked.parts)
         per_pass = spec.infer.max_batch or images_per_pass(cap, int(ready.loaded.stats().get(Metric.vram_allocated_bytes) or 0),
                                                        _tokens(spec, ready.max_len), _width(ready.loaded.model),
                                                        torch.finfo(dtype).bits // 8)

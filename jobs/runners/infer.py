@@ -68,7 +68,7 @@ def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
     watch = HostMemoryWatch(run_dir)
     with watch:
         return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
-                      prompts, watch, transformer=checked.transformer)
+                      prompts, watch, transformer=checked.transformer, parts=checked.parts)
 
 
 def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | None = None):
@@ -118,16 +118,16 @@ class Ready:
 def prepare_model(spec: JobSpec, run_dir: Path, device: torch.device, cap: int | None, dtype: torch.dtype,
                   model_dir: Path, family: FamilyAdapter, lora: Path | None, prompts: list[rnd.PromptSpec],
                   watch: HostMemoryWatch, on_row: Callable[[dict[str, Any]], None],
-                  transformer: Path | None = None) -> Ready:
+                  transformer: Path | None = None, files: dict[str, Path] | None = None) -> Ready:
     """Encode every prompt (text encoders freed after), load the transformer onto the engine with the
     LoRA fused, and build the family's pipeline around it (a co-scheduled batch's too); each phase's
     metrics row goes to `on_row` as it ends."""
     i = spec.infer
     watch.phase("encode")
     t0 = time.perf_counter()
-    pipe = load_pipeline_parts(model_dir, family, dtype)
+    pipe = load_pipeline_parts(model_dir, family, dtype, files=files)
     vae, scheduler = pipe.vae, pipe.scheduler
-    cache = make_cache(home_cache(run_dir), model_dir, family, dtype)
+    cache = make_cache(home_cache(run_dir), model_dir, family, dtype, files)
     max_len = i.max_sequence_length or family.default_max_sequence_length
     wanted = [p.prompt for p in prompts] + ([p.negative for p in prompts] if family.uses_negative else [])
     texts = encode_texts(pipe, family, cache, wanted, max_len, device, cap)
@@ -152,7 +152,8 @@ def prepare_model(spec: JobSpec, run_dir: Path, device: torch.device, cap: int |
             "infer.lora with the weights streamed from disk: the LoRA is fused into the host copies of the blocks "
             "it changes, which then stay in RAM; with less RAM than the model this job may run out of host memory"))
     loaded = load_transformer(model_dir, family, dtype, device, offload=offload, training=False,
-                              with_weights=prepare, rss=watch.rss, transformer_dir=tdir)
+                              with_weights=prepare, rss=watch.rss, transformer_dir=tdir,
+                              compile=bool(spec.offload.compile))
     watch.sample()
     on_row({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
                  "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
@@ -169,10 +170,11 @@ def prepare_model(spec: JobSpec, run_dir: Path, device: torch.device, cap: int |
 
 def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
            dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
-           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None) -> dict[str, Any]:
+           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None,
+           parts: dict[str, Path] | None = None) -> dict[str, Any]:
     i = spec.infer
     ready = prepare_model(spec, run_dir, device, cap, dtype, model_dir, family, lora, prompts, watch, metrics.write,
-                          transformer)
+                          transformer, files=parts)
     pipe, vae, loaded, texts, max_len, engine_keys = (ready.pipe, ready.vae, ready.loaded, ready.texts, ready.max_len,
                                                       ready.engine_keys)
     watch.phase("render")

@@ -33,29 +33,46 @@ class Checked:
     items: list[Item] = field(default_factory=list)
     lora: Path | None = None
     transformer: Path | None = None  # model.transformer: a checkpoint converted at load (jobs.runners.convert)
+    parts: dict[str, Path] = field(default_factory=dict)  # model.text_encoders / model.vae: pipeline attribute -> file
     prompts: list[str] = field(default_factory=list)  # infer: infer.prompt, then infer.prompt_file's lines
 
 
-def _model(spec: JobSpec) -> tuple[str, Path, Path | None]:
-    """(family, the diffusers folder, the model.transformer checkpoint or None)."""
+def _model(spec: JobSpec) -> tuple[str, Path, Path | None, dict[str, Path]]:
+    """(family, the diffusers folder, the model.transformer checkpoint or None, the text encoder and VAE files)."""
     from jobs.hub import resolve_model_path
+    from jobs.runners.component_files import check_parts
 
     m = spec.model
-    field = "model.base" if m.transformer is not None and m.base else "model.path"
+    field = "model.base" if m.base else "model.path"
     skip = ("transformer",) if m.transformer is not None else ()  # its weights come from model.transformer
+    skip += _given_as_files(m.text_encoders or [], m.vae)  # and theirs from their files: a hub base fetches configs
     # a hub id: fetched here
     path = resolve_model_path(m.base or m.path, os.environ.get("OFFLOAD_JOBS_RUN_DIR"), configs_only=skip)
     model_dir = Path(path or "").expanduser().resolve()  # relative paths: from the job's workdir
     family = detect_family(model_dir, m.family, field=field)
+    files = [Path(f).expanduser().resolve() for f in m.text_encoders or []]
+    vae = Path(m.vae).expanduser().resolve() if m.vae else None
+    for f, name in [*((f, "model.text_encoders") for f in files), *([(vae, "model.vae")] if vae else [])]:
+        if not f.is_file():
+            raise CheckpointError(f"{name}: {f} is not a file")
+    parts = check_parts(family, model_dir, files, vae)
     if m.transformer is None:
-        return family, model_dir, None
+        return family, model_dir, None, parts
     from jobs.runners.single_file import detect_checkpoint
 
     found = detect_checkpoint(Path(m.transformer).expanduser().resolve())
     if found.family != family:
         raise CheckpointError(f"model.transformer: {found.path} is a {found.family} transformer; {field} {model_dir} "
                               f"is a {family} model")
-    return family, model_dir, found.path
+    return family, model_dir, found.path, parts
+
+
+def _given_as_files(text_encoders: list[str], vae: str | None) -> tuple[str, ...]:
+    """The pipeline parts whose weights come from files (what a hub base need not fetch but the config of)."""
+    from jobs.runners.component_files import ROLES, identify
+
+    roles = [identify(Path(f).expanduser()).role for f in text_encoders]
+    return tuple(ROLES[r][1] for r in roles if r in ROLES) + (("vae",) if vae else ())
 
 
 def host_memory() -> int:
@@ -97,7 +114,7 @@ def _prompts_parse(texts: list[str], defaults: PromptSpec | None = None, where: 
 
 def check_train(spec: JobSpec) -> Checked:
     t = spec.train
-    family, model_dir, transformer = _model(spec)
+    family, model_dir, transformer, parts = _model(spec)
     if not t.dataset:
         raise SetupError("train.dataset: a train job needs a dataset folder")
     dataset = Path(t.dataset).expanduser().resolve()
@@ -114,7 +131,7 @@ def check_train(spec: JobSpec) -> Checked:
     _prompts_parse(read_prompts(t.sample_prompts, dataset),
                    PromptSpec(prompt="", width=t.sample_width or 0, height=t.sample_height or 0,
                               frames=t.num_frames if video else 1), "train.sample_prompts")
-    return Checked(family=family, model_dir=model_dir, items=items, transformer=transformer)
+    return Checked(family=family, model_dir=model_dir, items=items, transformer=transformer, parts=parts)
 
 
 def resolve_lora(ref: str, home: Path) -> Path:
@@ -138,7 +155,7 @@ def resolve_lora(ref: str, home: Path) -> Path:
 
 
 def check_infer(spec: JobSpec, home: Path) -> Checked:
-    family, model_dir, transformer = _model(spec)
+    family, model_dir, transformer, parts = _model(spec)
     lora = None
     if spec.infer.lora:
         lora = resolve_lora(spec.infer.lora, home)
@@ -149,7 +166,8 @@ def check_infer(spec: JobSpec, home: Path) -> Checked:
                i.width * i.height, frames)
     prompts = infer_prompts(spec)
     _prompts_parse(prompts, PromptSpec(prompt="", width=i.width, height=i.height, frames=frames), "infer.prompt")
-    return Checked(family=family, model_dir=model_dir, lora=lora, transformer=transformer, prompts=prompts)
+    return Checked(family=family, model_dir=model_dir, lora=lora, transformer=transformer, parts=parts,
+                   prompts=prompts)
 
 
 def infer_prompts(spec: JobSpec) -> list[str]:

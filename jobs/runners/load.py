@@ -88,6 +88,7 @@ def offload_config(spec: JobSpec, device: torch.device, *, training: bool) -> An
     keys["target_device"] = str(device)
     if training:
         keys.setdefault("treat_as_inference", False)  # trainable parameters get gradients: never streamed as frozen
+        keys["accumulation_order"] = spec.train.accumulation_order
         if keys.get("enable_optimizer_cpu_offload") and spec.train.gradient_accumulation_steps > 1:
             keys["gradient_accumulation_steps"] = spec.train.gradient_accumulation_steps
     else:
@@ -112,6 +113,7 @@ def free_host_memory() -> None:
 class LoadedTransformer:
     model: torch.nn.Module
     handle: Any = None          # the engine's OffloadHandle (inference) or OffloadTrainingManager (training)
+    compiler: Any = None        # offload.compile with no engine: the resident blocks' BlockCompiler
     optimizer: Any = None
     weight_bytes: int = 0
     load_seconds: float = 0.0
@@ -119,7 +121,9 @@ class LoadedTransformer:
     memory: dict[str, int] = field(default_factory=dict)
 
     def stats(self) -> dict[str, Any]:
-        return self.handle.stats() if self.handle is not None else {}
+        if self.handle is not None:
+            return self.handle.stats()
+        return self.compiler.stats() if self.compiler is not None else {}
 
     @property
     def vram_budget(self) -> int | None:
@@ -159,7 +163,8 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
                      prepare: Callable[[torch.nn.Module], None] | None = None,
                      with_weights: Callable[[torch.nn.Module], None] | None = None,
                      make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
-                     rss: Callable[[], int] | None = None, transformer_dir: Path | None = None) -> LoadedTransformer:
+                     rss: Callable[[], int] | None = None, transformer_dir: Path | None = None,
+                     compile: bool = False) -> LoadedTransformer:
     """The family's transformer from `model_dir`, prepared (LoRA, checkpointing), then on the engine.
 
     `offload` is the engine's OffloadConfig (`offload_config(spec, ...)`; None keeps the model resident on `device`). `prepare(model)` runs
@@ -170,6 +175,8 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     `make_optimizer(model)` builds the optimizer over what `prepare` made trainable.
     `transformer_dir`: where the transformer is when not in `model_dir`'s transformer/ (a converted
     `model.transformer` checkpoint: jobs.runners.convert).
+    `compile` (offload.compile) with no engine compiles the resident blocks the way the engine's
+    `compile` does (an engine's config carries the key itself).
     """
     _, cls = family.classes()
     rss = rss or (lambda: 0)
@@ -202,6 +209,10 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     t1 = time.perf_counter()
     if offload is None:
         model.to(device)
+        if compile:
+            from offload_core.compiled import compile_blocks
+
+            loaded.compiler = compile_blocks(model)
     elif training:
         from offload_core import OffloadTrainingManager
 
@@ -219,10 +230,26 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
 
 
 def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,
-                        text: bool = True, vae: bool = True) -> Any:
-    """The family's pipeline without its transformer (and without text encoders or VAE if not asked)."""
+                        text: bool = True, vae: bool = True, files: dict[str, Path] | None = None) -> Any:
+    """The family's pipeline without its transformer (and without text encoders or VAE if not asked);
+    `files` (pipeline attribute -> a single file: model.text_encoders, model.vae) in place of the base's."""
     pipe_cls, _ = family.classes()
     skip: dict[str, Any] = {"transformer": None}
+    wanted = {a: f for a, f in (files or {}).items() if (vae if a == "vae" else text)}
+    if wanted:
+        from jobs.runners.component_load import load_parts
+
+        modules, said = load_parts(wanted, Path(model_dir), dtype)
+        for info in said:
+            held, to = bytes_text(info["held_bytes"]), str(dtype).removeprefix("torch.")
+            how = f", {held}"
+            if info["fp8"]:
+                how = (f", fp8 ({info['fp8']}): {info['fp8_kept']:,} of {info['fp8_params']:,} fp8 weights kept as "
+                       f"stored, streamed by the engine and widened to {to} where they compute, the rest widened at "
+                       f"load; {held} held")
+            print(f"[offload-jobs] {info['part']}: {info['file']} ({info['role']}, {info['layout']} names{how})",
+                  flush=True)
+        skip.update(modules)
     if not text:
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
             skip[name] = None
@@ -245,8 +272,23 @@ def component_offload(module: torch.nn.Module | None, device: torch.device, budg
     """Run `module` on `device` for the duration, then give the VRAM back.
 
     On the CPU this is just running it. On a GPU the module moves whole when it fits in what is
-    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine.
+    free (under the VRAM cap, if one is set); otherwise its blocks stream through the engine. A
+    module holding fp8 weights as stored (a `model.text_encoders` fp8 file) always goes through the
+    engine, on the CPU too: it streams them as they are and widens them where they compute.
     """
+    from jobs.runners.component_load import holds_fp8
+
+    if module is not None and holds_fp8(module):
+        from offload_core import enable_offload
+
+        handle = enable_offload(module, target_device=str(device), offload_granularity="block")
+        try:
+            yield
+        finally:
+            handle.remove()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return
     if module is None or device.type == "cpu":
         yield
         return

@@ -21,9 +21,14 @@ __all__ = ["make_cache", "encode_texts", "encode_items", "TEXT_PARTS", "frames_f
 TEXT_PARTS = ["text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"]
 
 
-def make_cache(root: Path, model_dir: Path, family: FamilyAdapter, dtype: torch.dtype) -> EmbeddingCache:
-    vae_key = component_fingerprint(model_dir, ["vae"]) + f":{dtype}"
-    text_key = component_fingerprint(model_dir, TEXT_PARTS) + f":{dtype}"
+def make_cache(root: Path, model_dir: Path, family: FamilyAdapter, dtype: torch.dtype,
+               files: dict[str, Path] | None = None) -> EmbeddingCache:
+    """The cache, keyed by the base's parts and the files given in place of some (`files`: attribute -> file)."""
+    from jobs.runners.component_load import part_fingerprint
+
+    files = files or {}
+    vae_key = component_fingerprint(model_dir, ["vae"]) + f":{dtype}" + part_fingerprint(files, ["vae"])
+    text_key = component_fingerprint(model_dir, TEXT_PARTS) + f":{dtype}" + part_fingerprint(files, TEXT_PARTS)
     return EmbeddingCache(root, family=family.name, vae_key=vae_key, text_key=text_key)
 
 

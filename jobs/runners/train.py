@@ -154,6 +154,7 @@ class TrainRecipe:
         self.family = get_adapter(checked.family)
         self.model_dir = checked.model_dir
         self.transformer_file = checked.transformer
+        self.part_files = checked.parts  # model.text_encoders / model.vae
         self.items, self.val_items = hold_out(checked.items, t.validation)
         defaulted = sum(it.caption == t.default_caption for it in checked.items) if t.default_caption is not None else 0
         for it in self.items + self.val_items:
@@ -195,7 +196,7 @@ class TrainRecipe:
         t, family, items = self.t, self.family, self.items
         self.watch.phase("precompute")
         t0 = time.perf_counter()
-        pipe = load_pipeline_parts(self.model_dir, family, self.dtype)
+        pipe = load_pipeline_parts(self.model_dir, family, self.dtype, files=self.part_files)
         buckets = make_buckets(t.max_pixels, family.bucket_multiple(pipe.vae))
         for it in items + self.val_items:
             it.bucket = nearest_bucket(it.size, buckets)
@@ -203,7 +204,7 @@ class TrainRecipe:
             p.width, p.height = p.width or items[0].bucket[0], p.height or items[0].bucket[1]
         home = self.run_dir.parent.parent
         cache = make_cache(Path(t.cache_dir).expanduser() if t.cache_dir else home / "cache", self.model_dir, family,
-                           self.dtype)
+                           self.dtype, self.part_files)
         max_len = t.max_sequence_length or family.default_max_sequence_length
         wanted = [it.caption for it in items + self.val_items] + [p.prompt for p in self.prompts]
         if family.uses_negative and self.prompts:
@@ -254,7 +255,8 @@ class TrainRecipe:
                                               transformer_dir=tdir)
         loaded = self.loaded = load_transformer(
             self.model_dir, self.family, self.dtype, self.device, offload=self.engine_config, training=True,
-            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss, transformer_dir=tdir)
+            prepare=self._prepare_model, make_optimizer=self._make_optimizer, rss=self.watch.rss, transformer_dir=tdir,
+            compile=bool(self.spec.offload.compile))
         self.model, self.optimizer = loaded.model, loaded.optimizer
         self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
         self.watch.sample()
@@ -363,15 +365,31 @@ class TrainRecipe:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over gradient_accumulation_steps micro-batches: the mean loss and the grad norm."""
         t = self.t
-        loss_value = 0.0
+        k = t.gradient_accumulation_steps
         self.captions_dropped = 0
-        for _ in range(t.gradient_accumulation_steps):
-            loss = self._loss(self._next_batch())
-            value = float(loss.detach())
+        batches = [self._next_batch() for _ in range(k)]
+
+        def loss_fn(batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = self._loss(batch)
+            return loss / k, loss.detach()
+
+        if self.loaded.handle is not None:
+            # the engine runs the micro-batches in train.accumulation_order (layer: each block once for all k)
+            losses = [raw for _, raw in self.loaded.handle.accumulate(batches, loss_fn)]
+        else:
+            losses = []
+            for batch in batches:
+                scaled, raw = loss_fn(batch)
+                scaled.backward()
+                losses.append(raw)
+        # One host sync per optimizer step, after the backward is queued (a read of the loss between the
+        # forward and the backward would leave the GPU idle while the backward's first kernels are issued).
+        # A non-finite loss still stops the step before the optimizer touches the weights.
+        loss_value = 0.0
+        for value in torch.stack(losses).tolist():
             if not math.isfinite(value):
                 raise NonFiniteLoss(self.progress.step + 1, value)
-            (loss / t.gradient_accumulation_steps).backward()
-            loss_value += value / t.gradient_accumulation_steps
+            loss_value += value / k
         if self.loaded.handle is not None:
             self.loaded.handle.after_backward()
         grad_norm = None

@@ -38,7 +38,7 @@ from jobs.worker.auth import AuthMiddleware, BodyLimitMiddleware, allowed_hosts
 from jobs.worker.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, Heartbeat
 from jobs.worker.inventory import Gpu, WorkerIdentity, boot_id, detect_gpus, gpu_usage, slurm_available, worker_id_for
 from jobs.worker.metrics import TimingMiddleware, WorkerMetrics, live_jobs
-from jobs.worker.routes import controls, events, files, health, submit, workers
+from jobs.worker.routes import controls, events, files, health, models, submit, workers
 from jobs.worker.routes import jobs as jobs_routes
 from jobs.worker.routes.common import WorkerContext
 from jobs.worker.routes.common import json_response as _json
@@ -50,7 +50,7 @@ __all__ = ["create_app", "EventBus", "StoreHealth", "open_store"]
 
 log = logging.getLogger("offload_jobs.app")
 
-ROUTERS = (health, submit, jobs_routes, workers, controls, files, events)  # each module's router(ctx)
+ROUTERS = (health, submit, jobs_routes, workers, models, controls, files, events)  # each module's router(ctx)
 
 
 def open_store(home: Path, url: str | None = None) -> JobStore:

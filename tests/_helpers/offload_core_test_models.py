@@ -438,6 +438,15 @@ DIFFUSERS_TRAINABLE = ["flux", "sd3", "wan", "qwen"]
 TREES = ["tied", "called_twice", "batchnorm", "orphan_param", "hetero"]
 
 
+def inductor_reason() -> str | None:
+    """Why torch.compile cannot run on this CPU (no C compiler, a broken toolchain), or None."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4))
+    except Exception as exc:  # what inductor raises here varies with the toolchain
+        return f"inductor cannot compile on this CPU: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
 # ---------------------------------------------------------------- running a case
 @dataclass
 class Trace:

@@ -60,6 +60,7 @@ BAD_VALUES: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("train.lora_rank", st.integers(max_value=0)),
     ("train.batch_size", st.integers(max_value=0)),
     ("train.gradient_accumulation_steps", st.integers(max_value=0)),
+    ("train.accumulation_order", words.filter(lambda s: s not in ("micro", "layer"))),
     ("train.max_pixels", st.integers(max_value=63)),
     ("infer.steps", st.integers(max_value=0)),
     ("infer.guidance", st.floats(max_value=-0.001, allow_nan=False, allow_infinity=False)),

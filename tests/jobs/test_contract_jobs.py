@@ -35,9 +35,11 @@ VALIDATE_EVERY = 2
 # Charts that only a train job draws: its loss, and the trainer options' (train.ema).
 TRAIN_CHARTS = {Metric.loss, Metric.ema_distance}
 INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss_bytes, Metric.host_total_bytes}
-# Every forwarded engine stat but the disk rate, which only a disk-backed store has, and the bounce
-# ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs).
-ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps, Metric.bounce_fill_gbps}
+# Every forwarded engine stat but the disk rate, which only a disk-backed store has, the bounce
+# ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs), and
+# the compile counts, which only offload.compile writes (tests/offload_core/test_compiled_blocks.py).
+ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps, Metric.bounce_fill_gbps, Metric.compile_graphs,
+                                     Metric.recompiles, Metric.compile_seconds}
 # The engine panel's host store line: the infer job streams through the bounce store (offload.pinned_limit
 # 64KiB), the train job through the arena (on the CPU: nothing to pin, and it says so).
 HOST_STORE_LINES = {

@@ -17,6 +17,7 @@ NOT_IN_SPEC = {
     "timing_every": "bench-only switch (how often a settled engine times a step)",
     "use_streams": "bench-only serial baseline",
     "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
+    "accumulation_order": "set by train.accumulation_order",
     "weights": "set by the runners: model.path's transformer is read into the engine",
 }
 # Spec keys that are no engine key: the runner reads them (jobs.runners.load.offload_config).
@@ -44,3 +45,5 @@ def test_every_spec_key_reaches_the_engine() -> None:
     ram = OffloadConfig.from_overrides(**OffloadSpec(weight_dtype="float8_e4m3fn", fp8_scaling="block").engine_kwargs())
     assert ram.resolved_fp8_scaling == "block"
     assert OffloadConfig(weight_dtype="float8_e4m3fn").resolved_fp8_scaling == "row"  # the default from RAM
+    # compile refuses split_threshold_mb (above), so it goes alone
+    assert OffloadConfig.from_overrides(**OffloadSpec(compile=True).engine_kwargs()).compile is True

@@ -2,7 +2,8 @@
 
 Every keystroke re-validates the spec with the edits as `--set` overrides, through the same code
 as `offload-jobs validate`, and shows its one-line error (or "ok"). Submit is refused while the
-spec does not validate; once the worker takes it, the new job's detail screen opens.
+spec does not validate; once the worker takes it, the new job's detail screen opens. ctrl+l lists
+the models the worker has (tui.screens.models); a pick fills `model.path` or `model.transformer`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SubmitScreen(Screen):
         Binding("escape", "back", "Back"),
         Binding("ctrl+s", "submit", "Submit"),
         Binding("ctrl+o", "browse", "Browse files"),
+        Binding("ctrl+l", "models", "Worker's models"),
     ]
     DEFAULT_CSS = """
     SubmitScreen #pick { height: auto; }
@@ -193,6 +195,32 @@ class SubmitScreen(Screen):
         tree.toggle_class("-shown")
         if tree.has_class("-shown"):
             tree.focus()
+
+    def action_models(self) -> None:
+        from tui.screens.models import ModelPickerScreen
+
+        if self.app.make_client is None:
+            self.app.notify("no worker: its models cannot be listed", severity="warning")
+            return
+        self.app.push_screen(ModelPickerScreen(), self.use_model)
+
+    def use_model(self, entry: dict[str, Any] | None) -> None:
+        """Put a picked model's path in its field: the form's input when the spec has it, else an override line."""
+        if not entry or not entry.get("field"):
+            return
+        key, value = str(entry["field"]), show_value(str(entry["path"]))
+        if self.source is None:
+            self.load(SpecSource.from_template("infer"))
+        field = next((i for i in self.query(Input) if i.name == key), None)
+        if field is not None:
+            field.value = value
+            self.fields[key] = value
+        else:
+            extra = self.query_one("#extra", TextArea)
+            lines = [ln for ln in extra.text.splitlines() if ln.split("=", 1)[0].strip() != key]
+            extra.text = "\n".join([*lines, f"{key}={value}"])
+        self.revalidate()
+        self.app.notify(f"{key} = {entry['path']}", timeout=3)
 
     def action_back(self) -> None:
         tree = self.query_one("#tree")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from offload_core_test_models import inductor_reason
 from runner_helpers import log, run_job, step_records, strict_lines, train_spec, run_dir
 
 from jobs.spec import json_schema, parse_spec
@@ -134,3 +135,46 @@ def test_fp8_scaling_without_fp8_is_one_line_naming_the_field() -> None:
         parse_spec({"kind": "train", "model": {"path": "/m"}, "offload": {"fp8_scaling": "row"}})
     with pytest.raises(SpecError, match=r"^offload\.weight_dtype: Input should be 'float8_e4m3fn'"):
         parse_spec({"kind": "infer", "model": {"path": "/m"}, "offload": {"weight_dtype": "fp8"}})
+
+
+def test_compile_runs_the_job_with_compiled_blocks_and_forwards_the_counts(client, tiny: dict[str, Path]) -> None:
+    """offload.compile reaches the engine: its blocks compile in the job's first step, and the counts
+    are in every step row (the contract's names)."""
+    import pytest
+
+    from jobs.contract import Metric
+
+    reason = inductor_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    spec = train_spec(tiny, "flux", steps=3, save_every=None)
+    spec["offload"]["compile"] = True
+    spec["limits"]["max_duration"] = "15m"  # a cold inductor cache on a loaded 2-core box took over 5 minutes
+    job = run_job(client, spec, timeout=900)
+    assert job["status"] == "SUCCEEDED", log(job)[-2000:]
+    rows = step_records(job)
+    assert rows[0][Metric.compile_graphs] >= 2 and rows[0][Metric.compile_seconds] > 0, rows[0]
+    assert rows[-1][Metric.compile_graphs] >= rows[0][Metric.compile_graphs] and Metric.recompiles in rows[-1]
+
+
+def test_compile_needs_whole_blocks_one_line_naming_the_field() -> None:
+    import pytest
+
+    from jobs.spec import SpecError
+
+    for offload in ({"compile": True, "offload_granularity": "leaf"}, {"compile": True, "split_threshold_mb": 8}):
+        with pytest.raises(SpecError, match=r"^offload\.compile: compiles whole blocks"):
+            parse_spec({"kind": "train", "model": {"path": "/m"}, "offload": offload})
+    assert parse_spec({"kind": "infer", "model": {"path": "/m"}, "offload": {"compile": True}}).offload.compile is True
+
+
+def test_compile_without_the_engine_compiles_the_resident_blocks(tiny: dict[str, Path]) -> None:
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+
+    loaded = load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"), offload=None,
+                              compile=True)
+    blocks = [*loaded.model.transformer_blocks, *loaded.model.single_transformer_blocks]
+    assert all("forward" in b.__dict__ for b in blocks) and loaded.stats()["compiled_blocks"] == len(blocks)
+    loaded.compiler.remove()
+    assert not any("forward" in b.__dict__ for b in blocks)
