@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_MAX_JOBS", "BATCH_WINDOW_S", "batch_key", "max_jobs", "hold_
 
 DEFAULT_MAX_JOBS = 4  # jobs in one batch when infer.max_batch is unset (images per pass: the runner's estimate)
 # How long a batchable job at the queue's head waits for partners: a model load takes far longer.
-BATCH_WINDOW_S = 1.0
+BATCH_WINDOW_S = 0.5
 
 # What every member of a batch must share: one pipeline call honours one size, step count,
 # guidance, negative prompt, LoRA and engine; the environment and resources shape the child itself.
