@@ -174,9 +174,9 @@ def _run(lead_: _Lead, ok: list[_Job]) -> None:
 
         ready = prepare_model(spec, first.run_dir, device, cap, dtype, checked.model_dir, family, checked.lora, every,
                               watch, on_row, checked.transformer, files=checked.parts)
-        per_pass = spec.infer.max_batch or images_per_pass(cap, int(ready.loaded.stats().get(Metric.vram_allocated_bytes) or 0),
-                                                       _tokens(spec, ready.max_len), _width(ready.loaded.model),
-                                                       torch.finfo(dtype).bits // 8)
+        held = int(ready.loaded.stats().get(Metric.vram_allocated_bytes) or 0)  # the engine's own bytes
+        per_pass = spec.infer.max_batch or images_per_pass(cap, held, _tokens(spec, family, ready.max_len),
+                                                           _width(ready.loaded.model), torch.finfo(dtype).bits // 8)
         for j in ok:
             lead_.event(j, "batch", batch_of=lead_.leader, batch_with=lead_.ids, images_per_pass=per_pass)
         watch.phase("render")
@@ -198,8 +198,8 @@ def _settings(p: rnd.PromptSpec) -> tuple[Any, ...]:
     return (p.width, p.height, p.steps, p.guidance, p.negative, p.frames)
 
 
-def _tokens(spec: JobSpec, text_len: int) -> int:
-    frames = max(1, (spec.infer.num_frames + 3) // 4) if spec.infer.num_frames > 1 else 1
+def _tokens(spec: JobSpec, family: FamilyAdapter, text_len: int) -> int:
+    frames = (spec.infer.num_frames + 3) // 4 if family.is_video else 1  # Wan's VAE: 4x in time
     return spec.infer.width * spec.infer.height // 256 * frames + text_len  # 8x VAE, 2x2 patches
 
 
