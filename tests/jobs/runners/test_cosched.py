@@ -298,3 +298,14 @@ def test_a_batch_survives_a_worker_kill9_and_finishes_once(worker_factory, tiny:
                          r"watched: SUCCEEDED)", log(done)), log(done)  # adopted, or its end read from exit.json
         assert (run_dir(done) / "outputs" / "image_000.png").is_file()
     c2.close()
+
+
+def test_images_per_pass_is_what_the_cap_leaves_for_activations() -> None:
+    from jobs.runners.cosched import ACTIVATION_FACTOR, MAX_DEFAULT_ROWS, images_per_pass
+
+    tokens = 1024 * 1024 // 256 + 512  # Flux-dev at 1024x1024 with 512 text tokens
+    per_image = ACTIVATION_FACTOR * tokens * 3072 * 2
+    cap, held = 8 * 2**30, int(2.5 * 2**30)
+    assert images_per_pass(cap, held, tokens, 3072, 2) == int((cap * 0.9 - held) // per_image) == 7
+    assert images_per_pass(cap, cap, tokens, 3072, 2) == 1  # nothing left: still one image a pass
+    assert images_per_pass(None, 0, tokens, 3072, 2) == MAX_DEFAULT_ROWS  # no cap (the CPU)
