@@ -121,6 +121,9 @@ class StepMetrics(TypedDict, total=False):
     val_loss: float | None  # mean loss on train.validation's held-out items, every N steps
     ema_distance: float  # L2 distance between the EMA LoRA (train.ema) and the raw one
     captions_dropped: int  # samples of the step trained with the empty caption (train.caption_dropout)
+    batch_of: str  # co-scheduled inference: the job whose child ran this job's images (itself when it led)
+    batch_with: list[str]  # every job of that batch, in queue order, this one included
+    image_seconds: float  # a batched pass's wall time over the images it made (the per-image time)
 
 
 class EngineStats(TypedDict, total=False):

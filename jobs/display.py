@@ -15,7 +15,7 @@ from typing import Any
 from jobs.contract import JobState, Metric
 
 __all__ = ["num", "fmt_bytes", "fmt_pct", "fmt_num", "fmt_age", "fmt_duration", "fmt_ratio_bytes", "STATUS_STYLE",
-           "STATUS_ANSI", "status_markup", "progress_line"]
+           "STATUS_ANSI", "status_markup", "progress_line", "batch_line"]
 
 # Rich style of each state (tables, the detail screen, `show`), and the same as ANSI codes for the
 # plain-text `ps` table.
@@ -140,3 +140,17 @@ def progress_line(m: Any) -> str:
     if m.get(Metric.eta_seconds) is not None:
         parts.append(f"ETA {fmt_duration(m.get(Metric.eta_seconds))}")
     return "  ".join(parts)
+
+
+def batch_line(m: Any) -> str:
+    """Which jobs ran together (co-scheduled inference) and the per-image time, from a metrics row:
+    'in the batch of 3f2a (3 jobs: 3f2a, 9c01, d4e7), 0.412s an image'; '' for a job that ran alone."""
+    if not isinstance(m, dict) or not m.get(Metric.batch_of):
+        return ""
+    with_ = m.get(Metric.batch_with) or []
+    text = f"in the batch of {m[Metric.batch_of]}"
+    if isinstance(with_, list) and with_:
+        text += f" ({len(with_)} jobs: {', '.join(str(j) for j in with_)})"
+    if m.get(Metric.image_seconds) is not None:
+        text += f", {fmt_num(m.get(Metric.image_seconds), 3)}s an image"
+    return text

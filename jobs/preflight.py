@@ -41,6 +41,7 @@ PATH_FIELDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("model.vae", "any", ("train", "infer")),
     ("model.text_encoders", "any", ("train", "infer")),  # a list: each item
     ("train.dataset", "dir", ("train",)),
+    ("infer.prompt_file", "any", ("infer",)),
 ]
 
 

@@ -245,5 +245,8 @@ class InferSpec(_Strict):
                           "of another family, or one that applies to no module of the model, is refused by name.")
     lora_scale: float = Field(1.0, ge=-1e3, le=1e3)
     max_sequence_length: Optional[int] = Field(None, ge=1, le=65536)
+    prompt_file: Optional[str] = Field(None, max_length=4096, description="A text file of prompts, one a line (# comments and blank lines skipped), each with inline options; rendered after `prompt`.")
+    share_stream: bool = Field(True, description="Let the worker run this job in one batch with queued infer jobs of the same model, LoRA and settings (one stream of weights for all).")
+    max_batch: Optional[int] = Field(None, ge=1, le=1024, description="The most jobs one co-scheduled batch takes, and images one pass renders. Default: an estimate of what the VRAM cap leaves for activations (jobs/runners/cosched.py).")
 
     _prompt_options = field_validator("prompt")(_inline_options)

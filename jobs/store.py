@@ -217,6 +217,33 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
                 .order_by(c.priority.desc(), c.seq).limit(1))
         if not self.is_sqlite:
             cand = cand.with_for_update(skip_locked=True)
+        return self._claim(cand.scalar_subquery(), worker_id=worker_id, lease_s=lease_s, run_root=run_root)
+
+    @_writes
+    def claim_job(self, job_id: str, *, worker_id: str | None = None, lease_s: float | None = None,
+                  run_root: str | None = None) -> dict[str, Any] | None:
+        """Move one named PENDING job to STARTING with a new attempt, as `claim_next` does (None when it
+        is no longer PENDING: cancelled, or another worker took it). The co-scheduler claims a batch's
+        other members this way: they share the claimed job's slot, so no slot is checked here."""
+        cand = select(jobs_t.c.id).where(jobs_t.c.id == job_id, jobs_t.c.status == JobState.PENDING)
+        if not self.is_sqlite:
+            cand = cand.with_for_update(skip_locked=True)
+        return self._claim(cand.scalar_subquery(), worker_id=worker_id, lease_s=lease_s, run_root=run_root)
+
+    @_reads
+    def pending_jobs(self, kind: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        """PENDING jobs (of `kind`) with their specs, in claim order (highest priority, then oldest)."""
+        c = jobs_t.c
+        q = select(*_JOB_COLS).where(c.status == JobState.PENDING)
+        if kind is not None:
+            q = q.where(c.kind == kind)
+        q = q.order_by(c.priority.desc(), c.seq).limit(limit)
+        with self._read() as conn:
+            return [_job_dict(r) for r in conn.execute(q).mappings()]
+
+    def _claim(self, cand: Any, *, worker_id: str | None, lease_s: float | None,
+               run_root: str | None) -> dict[str, Any] | None:
+        c = jobs_t.c
         run_dir = literal(run_root.rstrip("/") + "/", String) + c.id if run_root else None
         values: dict[str, Any] = dict(status=JobState.STARTING, attempt=c.attempt + 1, reason=None, message=None,
                                       exit_code=None, finished_at=None)
@@ -226,7 +253,7 @@ class JobStore(ClusterMixin, OutputMixin, StoreBase):
             values["run_dir"] = run_dir
         now = time.time()
         with self.engine.begin() as conn:
-            row = conn.execute(update(jobs_t).where(c.id == cand.scalar_subquery(), c.status == JobState.PENDING)
+            row = conn.execute(update(jobs_t).where(c.id == cand, c.status == JobState.PENDING)
                                .values(**values).returning(*_JOB_COLS)).mappings().first()
             if row is None:
                 return None  # nothing fits, or another worker won the race

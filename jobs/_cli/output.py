@@ -14,7 +14,7 @@ import typer
 
 from jobs.errors import JobsError
 from jobs.contract import ACTIVE, TERMINAL, JobState
-from jobs.display import STATUS_ANSI, STATUS_STYLE, fmt_duration, progress_line, status_markup
+from jobs.display import STATUS_ANSI, STATUS_STYLE, batch_line, fmt_duration, progress_line, status_markup
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -220,6 +220,8 @@ def job_detail(job: dict[str, Any]) -> Table:
     metrics = job.get("last_metrics")
     if progress_line(metrics):
         rows.append(("progress", escape(progress_line(metrics))))
+    if batch_line(metrics):
+        rows.append(("batch", escape(batch_line(metrics))))
     if isinstance(metrics, dict) and metrics:
         rows.append(("metrics", escape(", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))))
     for k, v in rows:

@@ -154,7 +154,7 @@ def classify(ex: Exit, *, stop_reason: str | None, killed_by_us: bool,
     report_reason = (report or {}).get("reason")
     report_msg = (report or {}).get("message")
     if report_reason in (Reason.CUDA_OOM, Reason.SETUP_FAILED, Reason.HOST_OOM, Reason.NONFINITE_LOSS, Reason.NO_CUDA,
-                         Reason.PERMISSION_DENIED):
+                         Reason.PERMISSION_DENIED, Reason.WORKER_LOST):  # worker_lost: a batch member whose leader died
         return JobState.FAILED, report_reason, report_msg
     sigkill = ex.signal == signal.SIGKILL or ex.exit_code == 128 + signal.SIGKILL
     if sigkill and not killed_by_us:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV
 from jobs.executors import proctree
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
 from jobs.rundir import RunDir
@@ -42,6 +43,7 @@ JOB_CONTRACT_ENV = frozenset({
     # the hub fetch runs in the job: where models are kept, and the path of the token's file (a
     # path, not the token; HF_TOKEN itself is the hub's own name and passes as any other variable)
     "OFFLOAD_JOBS_MODEL_CACHE", "OFFLOAD_JOBS_HF_TOKEN_FILE",
+    BATCH_DIR_ENV, BATCH_ROLE_ENV,  # co-scheduled inference: the batch's folder, and this child's part in it
 }) | RUNNER_ENV_OPTIONS
 
 

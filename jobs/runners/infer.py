@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,16 +32,17 @@ from jobs.runners.precompute import encode_texts, make_cache
 from jobs.runners.telemetry import HostMemoryWatch, MetricsWriter, emit_event
 from jobs.spec import JobSpec
 
-__all__ = ["infer", "plan_prompts"]
+__all__ = ["infer", "plan_prompts", "prepare_model", "Ready", "home_cache"]
 
 
-def plan_prompts(spec: JobSpec, family: FamilyAdapter) -> list[rnd.PromptSpec]:
-    """Every (prompt, seed) to render, inline options applied over the spec's values."""
+def plan_prompts(spec: JobSpec, family: FamilyAdapter, texts: list[str] | None = None) -> list[rnd.PromptSpec]:
+    """Every (prompt, seed) to render, inline options applied over the spec's values; `texts`: the
+    prompts `check_infer` read (infer.prompt and infer.prompt_file), else infer.prompt alone."""
     i = spec.infer
     defaults = rnd.PromptSpec(prompt="", width=i.width, height=i.height, seed=i.seed, steps=i.steps,
                               guidance=i.guidance if i.guidance is not None else family.default_guidance,
                               negative=i.negative_prompt or "", frames=i.num_frames if family.is_video else 1)
-    prompts = i.prompt if isinstance(i.prompt, list) else [i.prompt]
+    prompts = texts if texts else (i.prompt if isinstance(i.prompt, list) else [i.prompt])
     out = []
     for text in prompts:
         base = rnd.parse_prompt(text, defaults)
@@ -62,11 +64,11 @@ def infer(spec: JobSpec, run_dir: Path, checked: Checked | None = None) -> dict[
     cap = apply_vram_cap(device)
     dtype = resolve_dtype(spec.model.dtype, device)
     family = get_adapter(checked.family)
-    prompts = plan_prompts(spec, family)
+    prompts = plan_prompts(spec, family, checked.prompts)
     watch = HostMemoryWatch(run_dir)
     with watch:
         return _infer(spec, run_dir, outputs, metrics, device, cap, dtype, checked.model_dir, family, checked.lora,
-                      prompts, watch, transformer=checked.transformer, files=checked.parts)
+                      prompts, watch, transformer=checked.transformer, parts=checked.parts)
 
 
 def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | None = None):
@@ -101,10 +103,25 @@ def _fuse_lora(family: FamilyAdapter, path: Path, scale: float, run_dir: Path | 
     return prepare
 
 
-def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
-           dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
-           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None,
-           files: dict[str, Path] | None = None) -> dict[str, Any]:
+@dataclass
+class Ready:
+    """The model set up for rendering (what `prepare_model` made)."""
+
+    pipe: Any
+    vae: Any
+    loaded: Any
+    texts: dict[str, dict[str, torch.Tensor]]
+    max_len: int
+    engine_keys: dict[str, Any]
+
+
+def prepare_model(spec: JobSpec, run_dir: Path, device: torch.device, cap: int | None, dtype: torch.dtype,
+                  model_dir: Path, family: FamilyAdapter, lora: Path | None, prompts: list[rnd.PromptSpec],
+                  watch: HostMemoryWatch, on_row: Callable[[dict[str, Any]], None],
+                  transformer: Path | None = None, files: dict[str, Path] | None = None) -> Ready:
+    """Encode every prompt (text encoders freed after), load the transformer onto the engine with the
+    LoRA fused, and build the family's pipeline around it (a co-scheduled batch's too); each phase's
+    metrics row goes to `on_row` as it ends."""
     i = spec.infer
     watch.phase("encode")
     t0 = time.perf_counter()
@@ -119,7 +136,7 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
             setattr(pipe, name, None)
     del pipe
     free_host_memory()
-    metrics.write({"phase": "encode", Metric.seconds: round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
+    on_row({"phase": "encode", Metric.seconds: round(time.perf_counter() - t0, 3), **cache.counts.as_dict()})
 
     watch.phase("load")
     prepare = _fuse_lora(family, lora, i.lora_scale, run_dir) if lora is not None else None
@@ -138,18 +155,29 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
                               with_weights=prepare, rss=watch.rss, transformer_dir=tdir,
                               compile=bool(spec.offload.compile))
     watch.sample()
-    metrics.write({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
-                   "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
-                   "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
-                   "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
-                   / max(1, loaded.weight_bytes), **loaded.memory})
+    on_row({"phase": "load", Metric.weight_bytes: loaded.weight_bytes, "load_seconds": round(loaded.load_seconds, 3),
+                 "offload_seconds": round(loaded.offload_seconds, 3), "rss_peak_load_bytes": watch.peaks.get("load", 0),
+                 "rss_peak_load_ratio": watch.peaks.get("load", 0) / max(1, loaded.weight_bytes),
+                 "rss_load_added_ratio": (watch.peaks.get("load", 0) - loaded.memory["rss_before_load"])
+                 / max(1, loaded.weight_bytes), **loaded.memory})
     if lora is not None:
         meta, keys = read_lora_header(lora)
         print(f"LoRA {lora} fused at scale {i.lora_scale} ({lora_format(keys)} names, rank "
               f"{meta.get('lora_rank', meta.get('ss_network_dim', '?'))}, for {family.name})", flush=True)
-
-    watch.phase("render")
     pipe = rnd.embedding_pipeline(family, loaded.model, vae, scheduler)
+    return Ready(pipe, vae, loaded, texts, max_len, engine_keys)
+
+
+def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, device: torch.device, cap: int | None,
+           dtype: torch.dtype, model_dir: Path, family: FamilyAdapter, lora: Path | None,
+           prompts: list[rnd.PromptSpec], watch: HostMemoryWatch, transformer: Path | None = None,
+           parts: dict[str, Path] | None = None) -> dict[str, Any]:
+    i = spec.infer
+    ready = prepare_model(spec, run_dir, device, cap, dtype, model_dir, family, lora, prompts, watch, metrics.write,
+                          transformer, files=parts)
+    pipe, vae, loaded, texts, max_len, engine_keys = (ready.pipe, ready.vae, ready.loaded, ready.texts, ready.max_len,
+                                                      ready.engine_keys)
+    watch.phase("render")
     records, sheet = [], []
     for n, p in enumerate(prompts):
         t1 = time.perf_counter()

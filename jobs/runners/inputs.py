@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.runners.data import Item, scan_dataset
-from jobs.runners.errors import CheckpointError
+from jobs.runners.errors import CheckpointError, PromptError
 from jobs.runners.folders import LoraError, SetupError, check_lora_family, detect_family
 from jobs.runners.prompts import PromptSpec, parse_prompt, read_prompts
 from jobs.spec import JobSpec
 
-__all__ = ["Checked", "check_train", "check_infer", "resolve_lora", "host_memory", "check_size", "HOST_BYTES_PER_PIXEL"]
+__all__ = ["Checked", "check_train", "check_infer", "infer_prompts", "resolve_lora", "host_memory", "check_size", "HOST_BYTES_PER_PIXEL"]
 
 # Host bytes that one pixel of one frame can take at once while a job renders or trains on it: the
 # float32 RGB image (12), its latents, and the VAE's activations at full resolution. An estimate
@@ -34,6 +34,7 @@ class Checked:
     lora: Path | None = None
     transformer: Path | None = None  # model.transformer: a checkpoint converted at load (jobs.runners.convert)
     parts: dict[str, Path] = field(default_factory=dict)  # model.text_encoders / model.vae: pipeline attribute -> file
+    prompts: list[str] = field(default_factory=list)  # infer: infer.prompt, then infer.prompt_file's lines
 
 
 def _model(spec: JobSpec) -> tuple[str, Path, Path | None, dict[str, Path]]:
@@ -163,7 +164,25 @@ def check_infer(spec: JobSpec, home: Path) -> Checked:
     frames = i.num_frames if family == "wan" else 1
     check_size("infer.width x infer.height" + (" x infer.num_frames" if frames > 1 else ""), f"{i.width}x{i.height}",
                i.width * i.height, frames)
-    prompts = i.prompt if isinstance(i.prompt, list) else [i.prompt]
+    prompts = infer_prompts(spec)
     _prompts_parse(prompts, PromptSpec(prompt="", width=i.width, height=i.height, frames=frames), "infer.prompt")
-    return Checked(family=family, model_dir=model_dir, lora=lora, transformer=transformer, parts=parts)
+    return Checked(family=family, model_dir=model_dir, lora=lora, transformer=transformer, parts=parts,
+                   prompts=prompts)
+
+
+def infer_prompts(spec: JobSpec) -> list[str]:
+    """infer.prompt (a string or a list), then the lines of infer.prompt_file (relative to the workdir)."""
+    i = spec.infer
+    prompts = list(i.prompt) if isinstance(i.prompt, list) else [i.prompt]
+    if not i.prompt_file:
+        return prompts
+    path = Path(i.prompt_file).expanduser()
+    if not path.is_absolute() and spec.workdir:
+        path = Path(spec.workdir).expanduser() / path
+    if not path.is_file():
+        raise PromptError(f"infer.prompt_file: {path}: no such file")
+    lines = read_prompts(str(path))
+    if not lines:
+        raise PromptError(f"infer.prompt_file: {path} holds no prompt")
+    return [p for p in prompts if p.strip()] + lines
 

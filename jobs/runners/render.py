@@ -20,7 +20,7 @@ from jobs.runners.families import FamilyAdapter
 from jobs.runners.load import component_offload
 from jobs.runners.prompts import PromptError, PromptSpec, parse_prompt, read_prompts
 
-__all__ = ["PromptError", "PromptSpec", "parse_prompt", "read_prompts", "embedding_pipeline", "render", "to_pil", "contact_sheet",
+__all__ = ["PromptError", "PromptSpec", "parse_prompt", "read_prompts", "embedding_pipeline", "render", "render_batch", "to_pil", "contact_sheet",
            "save_frames", "write_params"]
 
 
@@ -87,22 +87,41 @@ def render(family: FamilyAdapter, pipe: Any, vae: Any, text: dict[str, torch.Ten
            negative: dict[str, torch.Tensor] | None, spec: PromptSpec, device: torch.device,
            dtype: torch.dtype, vae_budget: int | None = None) -> list[Any]:
     """One prompt -> PIL images (a list of frames for Wan)."""
+    return render_batch(family, pipe, vae, [text], [negative] if negative is not None else None, spec, [spec.seed],
+                        device, dtype, vae_budget)[0]
+
+
+def render_batch(family: FamilyAdapter, pipe: Any, vae: Any, texts: list[dict[str, torch.Tensor]],
+                 negatives: list[dict[str, torch.Tensor]] | None, spec: PromptSpec, seeds: list[int],
+                 device: torch.device, dtype: torch.dtype, vae_budget: int | None = None,
+                 on_step: Any = None) -> list[list[Any]]:
+    """Several prompts in one pipeline call (one pass of the weights per step for all of them) at
+    `spec`'s size, steps and guidance, row b seeded with seeds[b] (its own generator, so its noise
+    is the one it gets alone) -> PIL images per row. Decoded row by row: the VAE's activations stay
+    those of one image. `on_step(pipe)` runs after each denoising step (it may set `pipe._interrupt`)."""
     f = family.spatial_factor(vae)
     mult = family.bucket_multiple(vae)
     width, height = max(mult, spec.width // mult * mult), max(mult, spec.height // mult * mult)
-    batch = family.collate_text([text], device, dtype)
-    neg = family.collate_text([negative], device, dtype) if negative is not None else None
+    batch = family.collate_text(texts, device, dtype)
+    neg = family.collate_text(negatives, device, dtype) if negatives is not None else None
     kwargs = family.pipeline_kwargs(batch, neg, spec.guidance, spec.frames)
-    generator = torch.Generator("cpu").manual_seed(spec.seed)
+    generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    if on_step is not None:
+        def step_end(p: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            on_step(p)
+            return kw
+
+        kwargs["callback_on_step_end"] = step_end
+    rows: list[list[Any]] = []
     with torch.no_grad():
-        out = pipe(height=height, width=width, num_inference_steps=spec.steps, generator=generator,
+        out = pipe(height=height, width=width, num_inference_steps=spec.steps, generator=generators,
                    output_type="latent", return_dict=False, **kwargs)[0]
         latents = family.latents_from_pipeline(out, height // f, width // f)
         with component_offload(vae, device, vae_budget):
-            pixels = family.decode_latents(vae, latents.to(device, vae.dtype))
-    if family.is_video:
-        return to_pil(pixels[0].permute(1, 0, 2, 3))  # (3, F, H, W) -> F images
-    return to_pil(pixels)
+            for b in range(latents.shape[0]):
+                pixels = family.decode_latents(vae, latents[b:b + 1].to(device, vae.dtype))
+                rows.append(to_pil(pixels[0].permute(1, 0, 2, 3)) if family.is_video else to_pil(pixels))
+    return rows
 
 
 def write_params(path: Path, record: dict[str, Any]) -> None:

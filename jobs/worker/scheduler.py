@@ -37,10 +37,12 @@ from typing import Any, Callable
 from jobs.contract import JobState, Reason
 from jobs.errors import JobNotFound, RunDirError, SpecError, StoreError
 from jobs.executors import Executor, Exit, Handle, Launch, SetupFailed, classify, get_executor
+from jobs.batchdir import BatchDir
 from jobs.rundir import RunDir
 from jobs.runners import get_runner
 from jobs.spec import JobSpec, parse_spec
 from jobs.store import JobStore, LeaseLost
+from jobs.worker.cosched import Batch, claim_members, hold_for_partners
 from jobs.worker.faults import FaultPoints
 from jobs.worker.heartbeat import Heartbeat, LeaseFiles
 from jobs.worker.loop_thread import LoopThread
@@ -186,8 +188,12 @@ class Scheduler(LoopThread):
     def _start_pending(self) -> None:
         if time.monotonic() < self._claim_blocked_until or not self._may_claim():
             return
+        hold = hold_for_partners(self.store, time.time())
+        if hold > 0:  # a batchable infer job just arrived: jobs submitted with it join its batch
+            self._claim_blocked_until = time.monotonic() + min(hold, self.tick)
+            return
         while not self._stop.is_set():
-            local = [r for r in self.running.values() if not _is_slurm(r)]
+            local = [r for r in self.running.values() if not _is_slurm(r) and not _rides(r)]
             cpu_free = self.max_cpu_jobs - sum(1 for r in local if r.spec is None or r.spec.gpus == 0)
             slurm_free = self.max_slurm_jobs - sum(1 for r in self.running.values() if _is_slurm(r))
             sent = time.monotonic()
@@ -203,7 +209,26 @@ class Scheduler(LoopThread):
                 return
             if job is None:
                 return
-            self._launch(job, sent, time.monotonic())
+            self._launch_claimed(job, sent, time.monotonic())
+
+    def _launch_claimed(self, job: dict[str, Any], sent: float, claimed: float) -> None:
+        """Start `job`, with the queued infer jobs that may share its child (jobs/worker/cosched.py)."""
+        members = claim_members(self.store, job, worker_id=self.worker_id,
+                                lease_s=self.heartbeat.timeout if self.shared else None,
+                                run_root=str(self.home / "runs") if self.shared else None)
+        if not members:
+            self._launch(job, sent, claimed)
+            return
+        jobs = [job, *members]
+        run_dirs = {j["id"]: j["run_dir"] or str(RunDir.for_job(self.home, j["id"]).path) for j in jobs}
+        try:
+            plans: list[Batch | None] = list(Batch.plan(job, members, run_dirs))
+        except (OSError, RunDirError) as exc:  # the batch folder cannot be written: each runs on its own
+            log.warning("job %s: cannot write its batch folder (%s); its %d members run apart", job["id"], exc,
+                        len(members))
+            plans = [None] * len(jobs)
+        for j, plan in zip(jobs, plans):
+            self._launch(j, sent, claimed, batch=plan)
 
     def _may_claim(self) -> bool:
         """Shared stores: only with a fresh lease (a worker cut off from the store takes no more work)."""
@@ -222,7 +247,8 @@ class Scheduler(LoopThread):
         self._free_gpus = [g for g in self._free_gpus if g not in chosen]
         return sorted(chosen)
 
-    def _launch(self, job: dict[str, Any], claim_sent: float | None = None, claimed: float | None = None) -> None:
+    def _launch(self, job: dict[str, Any], claim_sent: float | None = None, claimed: float | None = None,
+                batch: Batch | None = None) -> None:
         """Start a claimed attempt: prepare its child (not yet running), record it, then let it run."""
         job_id, number = job["id"], job["attempt"]
         run_dir = RunDir(job["run_dir"] or RunDir.for_job(self.home, job_id).path)
@@ -232,8 +258,11 @@ class Scheduler(LoopThread):
             self._settle(self._pending(job_id, number, run_dir), _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, f"spec: {exc}"))
             return
         slurm = spec.executor == "slurm"
-        gpus = self._pick_gpus(spec) if spec.gpus > 0 and not slurm else []
+        rides = batch is not None and not batch.leads  # a member: its images are rendered in the leader's child
+        gpus = self._pick_gpus(spec) if spec.gpus > 0 and not slurm and not rides else []
         r = _Running(job_id, number, spec, run_dir, None, None, gpus, time.monotonic())
+        if batch is not None:
+            r.extra["batch"] = batch
         r.claim_sent = claim_sent if claim_sent is not None else time.monotonic()
         r.claimed = claimed if claimed is not None else time.monotonic()
         self.running[job_id] = r
@@ -264,6 +293,9 @@ class Scheduler(LoopThread):
             run_dir.append_log(self._start_note(job) + "\n")
             plan = get_runner(spec.kind)(spec, run_dir, self._base_env)
             plan.env.update({"OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": str(number)})
+            batch = r.extra.get("batch")
+            if batch is not None:
+                plan.env.update(batch.env())
             if self.worker_id:
                 plan.env["OFFLOAD_JOBS_WORKER_ID"] = self.worker_id
             r.executor = self._executor(spec.executor)
@@ -276,11 +308,14 @@ class Scheduler(LoopThread):
             ))
             if r.ship is not None:
                 r.handle.info.update(log_start=r.ship.log_start, metrics_start=r.ship.metrics_start)
+            if batch is not None:
+                r.handle.info["batch"] = batch.info()  # recorded with the attempt: an adopting worker knows it
         except Exception as exc:  # SetupFailed, or anything else that kept the attempt from starting
             if not isinstance(exc, (SetupFailed, OSError)):
                 log.exception("could not start job %s", job_id)
             msg = str(exc) if isinstance(exc, SetupFailed) else f"{type(exc).__name__}: {exc}"
             run_dir.append_log(f"[offload-jobs] setup_failed: {msg}\n")
+            self._leave_batch(r, Reason.SETUP_FAILED)
             r.handle = None
             self._settle(r, _Outcome(JobState.FAILED, Reason.SETUP_FAILED, None, msg))
             return False
@@ -307,24 +342,28 @@ class Scheduler(LoopThread):
             # Reaped while we prepared it (a stall past the lease): drop it unrun, record nothing.
             log.warning("job %s: attempt %d was taken over before it started; not starting it", job_id, number)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             self._drop(r)
             return False
         except StoreError as exc:
             # Unrecorded children never run: drop it; the attempt is retried once the store answers.
             log.warning("job %s: cannot record attempt %d (%s); not starting it", job_id, number, exc)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             r.stop_reason = "unrecorded"
             return False
         self._faults.pause("recorded")
         if not go:  # cancelled while STARTING
             r.executor.abort(h)
             r.stop_reason = Reason.CANCELLED
+            self._leave_batch(r, Reason.CANCELLED)
             return False
         if self.shared and not self._lease_fresh(r):
             # The claim's lease is past its local deadline (a stall, the store gone): another worker may
             # retry it any moment, so it must not start here. Stopped unrun, it is queued again.
             log.warning("job %s: attempt %d's lease ran out before it started; not starting it", job_id, number)
             r.executor.abort(h)
+            self._leave_batch(r, "unrecorded")
             r.stop_reason = "unrecorded"
             return False
         return True
@@ -349,6 +388,25 @@ class Scheduler(LoopThread):
         self.running.pop(r.job_id, None)
         self._free_gpus.extend(g for g in r.gpus if g not in self._free_gpus)
         self._free_gpus.sort()
+
+    def _leave_batch(self, r: _Running, why: str) -> None:
+        """An attempt of a batch that will not run: its leader leaves it out (a stop record in its run dir),
+        or, when it is the leader, its members stop waiting (the batch is marked ended)."""
+        batch = r.extra.get("batch")
+        if batch is None:
+            return
+        if batch.leads:
+            BatchDir(batch.dir).mark_ended()
+        else:
+            r.run_dir.write_stop(r.attempt, why)
+
+    def _live_members(self, r: _Running) -> bool:
+        """`r` leads a batch some other member of which still has a live child here."""
+        batch = r.extra.get("batch")
+        if batch is None or not batch.leads:
+            return False
+        return any(m.outcome is None and m.job_id != r.job_id and m.extra.get("batch") is not None
+                   and m.extra["batch"].of == batch.of for m in self.running.values())
 
     def _pending(self, job_id: str, number: int, run_dir: RunDir) -> _Running:
         r = _Running(job_id, number, None, run_dir, None, None, [], time.monotonic())
@@ -387,6 +445,8 @@ class Scheduler(LoopThread):
             elif r.stop_reason is None and own_limit and now - r.started > limits.max_duration:
                 r.run_dir.append_log(f"[offload-jobs] max_duration {limits.max_duration:g}s exceeded; stopping\n")
                 self._begin_stop(r, Reason.TIMEOUT)
+            elif r.extra.get("soft_stop") and not self._live_members(r):
+                self._begin_stop(r, r.stop_reason or Reason.CANCELLED)
             elif r.kill_at is not None and not r.killed and now >= r.kill_at:
                 r.killed = True
                 r.executor.kill(r.handle)
@@ -467,6 +527,14 @@ class Scheduler(LoopThread):
         assert r.executor is not None and r.handle is not None
         r.stop_reason = reason
         r.run_dir.write_stop(r.attempt, reason)  # first: a crash mid-stop still knows why
+        if reason in (Reason.CANCELLED, Reason.TIMEOUT) and self._live_members(r):
+            # A batch's leader renders its members' images too: it only leaves its own rows out (it
+            # reads the stop record above) and is stopped once no member waits on it any more.
+            r.extra["soft_stop"] = True
+            r.run_dir.append_log(f"[offload-jobs] {reason}: this job's images are left out of its batch; its child "
+                                 "goes on for the other jobs of the batch\n")
+            return
+        r.extra.pop("soft_stop", None)
         if grace is None:
             grace = r.spec.limits.stop_grace if r.spec is not None else 10.0
         r.executor.terminate(r.handle)
@@ -524,6 +592,9 @@ class Scheduler(LoopThread):
         return _Outcome(status, reason, code, msg)
 
     def _settle(self, r: _Running, outcome: _Outcome) -> None:
+        batch = r.extra.get("batch")
+        if batch is not None and batch.leads:
+            BatchDir(batch.dir).mark_ended()  # members still waiting learn at once that no result will come
         r.outcome = outcome
         self._record(r)
 
@@ -655,6 +726,9 @@ class Scheduler(LoopThread):
                 continue
             if executor is not None:
                 executor.reap(job_id, number, a["handle"], run_dir)  # nothing of it may run beside a retry
+            batch = Batch.from_info(a["handle"])
+            if batch is not None and batch.leads:
+                BatchDir(batch.dir).mark_ended()  # its adopted members stop waiting for it
             if rec is not None and rec.state == "ended" and rec.exit is not None:
                 outcome = self._judge(stop, stop is not None, rec.exit)
                 how = f"it ended while no worker watched: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
@@ -718,6 +792,9 @@ class Scheduler(LoopThread):
         self._free_gpus = [g for g in self._free_gpus if g not in gpus]
         age = max(0.0, time.time() - (a.get("started_at") or time.time()))
         r = _Running(job["id"], a["number"], spec, run_dir, executor, handle, gpus, time.monotonic() - age)
+        batch = Batch.from_info(handle.info)
+        if batch is not None:
+            r.extra["batch"] = batch
         try:
             r.metrics_offset = run_dir.metrics_file.stat().st_size
         except OSError:
@@ -733,6 +810,12 @@ class Scheduler(LoopThread):
         if stop is not None:
             self._begin_stop(r, stop)
         log.info("adopted job %s attempt %d (pid %s)", job["id"], a["number"], handle.pid)
+
+
+def _rides(r: _Running) -> bool:
+    """A batch member: its child waits on the leader's, and takes no slot of its own."""
+    batch = r.extra.get("batch")
+    return batch is not None and not batch.leads
 
 
 def _is_slurm(r: _Running) -> bool:

@@ -43,3 +43,25 @@ def test_progress_line_reads_the_contract_names() -> None:
     row = {Metric.step: 6, Metric.total_steps: 30, Metric.loss: 0.13184, Metric.it_s: 8.66, Metric.eta_seconds: 2.77}
     assert display.progress_line(row) == "step 6/30  loss 0.1318  8.66 it/s  ETA 2.8s"
     assert display.progress_line({"phase": "load"}) == ""
+
+
+def test_batch_line_says_who_ran_together_in_show_and_the_dashboard() -> None:
+    import io
+    import re
+    import time
+
+    from tui.history import MetricHistory
+    from tui.screens.detail import summary_text
+
+    row = {Metric.step: 1, Metric.total_steps: 1, Metric.batch_of: "aa11", Metric.batch_with: ["aa11", "bb22", "cc33"],
+           Metric.image_seconds: 0.41234}
+    want = "in the batch of aa11 (3 jobs: aa11, bb22, cc33), 0.412s an image"
+    assert display.batch_line(row) == want
+    assert display.batch_line({Metric.step: 1}) == ""  # ran alone
+    job = {"id": "bb22", "kind": "infer", "status": "SUCCEEDED", "last_metrics": row}
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(cli_output.job_detail(job))
+    assert re.search(r"\nbatch +" + re.escape(want), console.export_text())  # `show`
+    assert want in summary_text(job, MetricHistory(), time.time()).plain

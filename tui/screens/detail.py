@@ -22,6 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
 from jobs.contract import TERMINAL, JobState, Metric
+from jobs.display import batch_line
 from jobs.errors import JobsError
 from tui.feed import MetricRows, MetricsTail
 from tui.fmt import fmt_bytes, fmt_duration, fmt_host_store, fmt_num, fmt_pct, fmt_ratio_bytes, num
@@ -83,6 +84,9 @@ def summary_text(job: dict[str, Any], h: MetricHistory, now: float) -> Text:
     store = fmt_host_store(m)
     if store is not None:
         t.append("\n" + store, style="dim")
+    batch = batch_line(m) or batch_line(job.get("last_metrics"))  # co-scheduled inference: who ran together
+    if batch:
+        t.append("\n" + batch, style="dim")
     return t
 
 
