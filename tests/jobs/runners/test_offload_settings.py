@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import torch
 from offload_core_test_models import inductor_reason
 from runner_helpers import log, run_job, step_records, strict_lines, train_spec, run_dir
