@@ -8,7 +8,25 @@ from textual.binding import Binding
 
 from jobs.errors import JobsError
 
-__all__ = ["JobActions"]
+__all__ = ["JobActions", "call_worker"]
+
+def call_worker(app: Any, call: Any, done: Any, failed: Any, group: str,
+                errors: tuple[type[BaseException], ...] = (JobsError,)) -> None:
+    """``call(client)`` on a thread (the screen stays live); ``done(result)`` or ``failed(one line)`` back
+    on the app's thread."""
+    def run() -> None:
+        try:
+            with app.client() as c:
+                result = call(c)
+        except errors as exc:
+            from jobs._cli.output import error_line
+
+            app.call_from_thread(failed, error_line(exc))
+            return
+        app.call_from_thread(done, result)
+
+    app.run_worker(run, thread=True, group=group, exclusive=True, exit_on_error=False)
+
 
 WRITE_ACTIONS = frozenset({"cancel", "retry", "signal", "submit", "delete"})
 

@@ -19,6 +19,7 @@ from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
 from jobs.errors import JobsError
+from tui.screens.actions import call_worker
 
 __all__ = ["ModelPickerScreen", "PICKABLE", "entry_label"]
 
@@ -68,20 +69,8 @@ class ModelPickerScreen(ModalScreen[dict[str, Any] | None]):
             yield OptionList(id="models")
 
     def on_mount(self) -> None:
-        app = self.app
-
-        def fetch() -> None:
-            try:
-                with app.client() as c:
-                    body = c.models()
-            except (JobsError, RuntimeError) as exc:
-                from jobs._cli.output import error_line
-
-                app.call_from_thread(self._failed, error_line(exc))
-                return
-            app.call_from_thread(self._show, body)
-
-        app.run_worker(fetch, thread=True, group="models", exclusive=True, exit_on_error=False)
+        call_worker(self.app, lambda c: c.models(), self._show, self._failed, group="models",
+                    errors=(JobsError, RuntimeError))
 
     def _failed(self, message: str) -> None:
         self.error, self.loaded = message, True

@@ -21,6 +21,7 @@ from textual.suggester import Suggester
 from textual.widgets import Button, DirectoryTree, Footer, Header, Input, Label, Select, Static, TextArea
 
 from jobs.errors import JobsError
+from tui.screens.actions import call_worker
 from tui.specform import SpecSource, check_spec, complete_path, flatten, overrides_from, show_value
 
 __all__ = ["SubmitScreen", "PathSuggester"]
@@ -242,20 +243,7 @@ class SubmitScreen(Screen):
             self.app.notify("read-only dashboard: submit is off", severity="warning")
             return
         payload = self.spec.model_dump(mode="json", exclude_unset=True)
-        app = self.app
-
-        def run() -> None:
-            try:
-                with app.client() as c:
-                    job = c.submit(payload)
-            except JobsError as exc:
-                from jobs._cli.output import error_line
-
-                app.call_from_thread(self._refused, error_line(exc))
-                return
-            app.call_from_thread(self._accepted, job)
-
-        app.run_worker(run, thread=True, group="submit", exclusive=True, exit_on_error=False)
+        call_worker(self.app, lambda c: c.submit(payload), self._accepted, self._refused, group="submit")
 
     def _refused(self, message: str) -> None:
         self.error, self.spec = message, None
