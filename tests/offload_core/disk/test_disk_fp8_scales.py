@@ -77,6 +77,11 @@ def test_the_shards_hold_the_fp8_bytes_and_their_scales_in_the_slab(flux: tuple,
                 seen += 1
     assert seen
     assert verify_shards(dst)["slabs"] == len(index["units"]) + bool(index.get("resident"))
+    again = shard_checkpoint(src, dst, dtype=FP8, fp8_scaling=scaling, progress=False)  # a rerun resumes, scales and all
+    assert (again["written"], again["resumed"]) == (0, len(index["units"]))
+    assert json.loads((dst / "index.json").read_text())["units"] == index["units"]
+    other = "block" if scaling == "row" else "row"  # another scaling lays the slabs out anew
+    assert shard_checkpoint(src, dst, dtype=FP8, fp8_scaling=other, progress=False)["resumed"] == 0
 
 
 @pytest.mark.parametrize("scaling", ["row", "block"])
