@@ -206,7 +206,7 @@ class OffloadSpec(_Strict):
                           "(LoRAs are still trained and saved in the model's dtype).")
     fp8_scaling: Optional[Literal["tensor", "row", "block"]] = Field(
         None, description="With weight_dtype float8_e4m3fn: one scale per tensor, per output row or per 128x128 tile "
-                          "(default row; tensor for shards).")
+                          "(default row; with lazy_load, what the shards hold).")
     vram_margin: Optional[Bytes] = Field(
         None, description="VRAM the ring's growth leaves free (default the larger of 512 MiB and 5% of the card).")
     overlap_optimizer_step: Optional[bool] = Field(
@@ -235,9 +235,6 @@ class OffloadSpec(_Strict):
         if self.fp8_scaling is not None and self.weight_dtype != "float8_e4m3fn":
             raise _FieldError("offload.fp8_scaling", "applies to offload.weight_dtype: float8_e4m3fn only; "
                                                      "set that too, or remove fp8_scaling")
-        if self.fp8_scaling in ("row", "block") and (self.lazy_load or self.offload_to_disk):
-            raise _FieldError("offload.fp8_scaling", f"{self.fp8_scaling} scales are not in the shard format yet; "
-                                                     "with lazy_load or offload_to_disk use tensor (or leave it unset)")
         return self
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -249,7 +246,17 @@ class ShardSpec(_Strict):
     src: Optional[str] = Field(None, description="Diffusers folder or single-file checkpoint.")
     dst: Optional[str] = Field(None, description="Output shard directory.")
     dtype: Optional[str] = Field(None, description="Convert to this dtype (bfloat16, float8_e4m3fn).")
+    fp8_scaling: Optional[Literal["tensor", "row", "block"]] = Field(
+        None, description="With dtype float8_e4m3fn: one scale per tensor, per output row or per 128x128 tile "
+                          "(default row, as the engine's).")
     overwrite: bool = Field(False, description="Write into a non-empty dst this tool did not write (its other files stay).")
+
+    @model_validator(mode="after")
+    def _fp8_scaling_needs_fp8(self) -> "ShardSpec":
+        if self.fp8_scaling is not None and str(self.dtype).lower() not in ("float8_e4m3fn", "fp8"):
+            raise _FieldError("shard.fp8_scaling", "applies to shard.dtype: float8_e4m3fn only; set that too, "
+                                                   "or remove fp8_scaling")
+        return self
 
 
 class ResourcesSpec(_Strict):

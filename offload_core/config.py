@@ -104,8 +104,8 @@ class OffloadConfig:
     accumulation_order: str = "micro"
     weight_dtype: str | None = None
     # With weight_dtype float8_e4m3fn: one scale per tensor, per output channel ("row") or per
-    # 128 x 128 tile ("block"); quant.py. None: row for weights packed from RAM (the measured
-    # trade: bench/RESULTS.md, "fp8 quality"), tensor for shards (their format holds one scale a tensor).
+    # 128 x 128 tile ("block"); quant.py. None: row (the measured trade: bench/RESULTS.md, "fp8
+    # quality"); with lazy_load, what the shards hold (set, it must be what they hold).
     fp8_scaling: str | None = None
     # Compile each repeated block class once with torch.compile (regional, static shapes), the
     # engine's hooks outside the compiled region (compiled.py). The first step pays the compile
@@ -194,9 +194,6 @@ class OffloadConfig:
             if self.weight_dtype != "float8_e4m3fn":
                 raise OffloadConfigError(f"fp8_scaling: applies to weight_dtype float8_e4m3fn only "
                                          f"(weight_dtype is {self.weight_dtype!r})")
-            if self.fp8_scaling != "tensor" and (self.lazy_load or self.offload_to_disk):
-                raise OffloadConfigError(f"fp8_scaling: {self.fp8_scaling} scales are not in the shard format yet; "
-                                         "with lazy_load or offload_to_disk use tensor (or leave it unset)")
         if self.compile is True and (self.offload_granularity in (Granularity.LEAF, Granularity.PHASE)
                                      or self.split_threshold_mb is not None):
             what = ("split_threshold_mb splits blocks" if self.split_threshold_mb is not None
@@ -229,12 +226,10 @@ class OffloadConfig:
 
     @property
     def resolved_fp8_scaling(self) -> str:
-        """The fp8 scaling the engine uses: the key, else the default for where the weights live."""
+        """The fp8 scaling the engine packs with: the key, else the default (lazy_load then takes the shards')."""
         from .quant import DEFAULT_SCALING
 
-        if self.fp8_scaling is not None:
-            return self.fp8_scaling
-        return "tensor" if (self.lazy_load or self.offload_to_disk) else DEFAULT_SCALING
+        return self.fp8_scaling or DEFAULT_SCALING
 
     @classmethod
     def from_overrides(cls, config: "OffloadConfig | dict | None" = None, **overrides: Any) -> "OffloadConfig":

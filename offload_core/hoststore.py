@@ -14,6 +14,8 @@ Optional, with defaults the engine assumes when a store lacks them:
 
 - ``filled: bool = False``: the store already holds every unit's bytes (a shard directory), so the
   engine does not pack the model's tensors into it.
+- ``scales(unit, index) -> Tensor``: an fp8 row/block tensor's fp32 scales, for reading
+  (``state_dict``); default: the view into ``master(uid)``, which a disk store would have to keep.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ dtype). ``fp8_scaling`` picks the group (the weight seen as 2-D: rows = dim 0, t
 
 Row and block scales are stored in the unit's slab after its tensors (``UnitTensor.scale_offset``),
 so one host-to-device copy carries them and the widening reads them from the raw buffer; host
-stores that hand out slabs carry them unchanged. Every step is exact or one IEEE rounding, so the
+stores that hand out slabs carry them unchanged, and the shard format writes the slab as it is
+(disk/format.py), so the disk tier streams them in the unit's one read. Every step is exact or one IEEE rounding, so the
 CPU and the GPU give the same bits, and ``fake_quantize`` builds the resident reference an
 fp8-streamed model must equal bit for bit.
 
@@ -351,7 +352,11 @@ def stored_value(store: Any, u: Unit, index: int) -> torch.Tensor:
     stored = store.view(u, index)
     if ts.store_dtype is None:
         return stored
-    return widen(stored, scale_view(store.master(u.uid), ts) if ts.scale_shape is not None else ts.scale, ts.dtype)
+    if ts.scale_shape is None:
+        return widen(stored, ts.scale, ts.dtype)
+    # a disk store hands out copies of its scales (master() would keep the unit); the others a view
+    scales = store.scales(u, index) if hasattr(store, "scales") else scale_view(store.master(u.uid), ts)
+    return widen(stored, scales, ts.dtype)
 
 
 def scale_view(slab: torch.Tensor, ts: UnitTensor) -> torch.Tensor:

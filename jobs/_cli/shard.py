@@ -22,6 +22,9 @@ def shard(
                                         show_default=False)],
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", help="Convert to this dtype (bfloat16, float16, float8_e4m3fn).", show_default=False)] = None,
+    fp8_scaling: Annotated[Optional[str], typer.Option(
+        "--fp8-scaling", help="With --dtype float8_e4m3fn: tensor, row (default) or block (128x128 tiles) scales.",
+        show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Write into a non-empty DST this tool did not write (its other files stay).")] = False,
     base: Annotated[Optional[Path], typer.Option(
@@ -33,6 +36,10 @@ def shard(
 
     A Flux transformer file in the BFL or ComfyUI layout is first converted to diffusers' names, a
     block at a time, into the model cache (reused by jobs), then sharded."""
+    if fp8_scaling is not None and fp8_scaling not in ("tensor", "row", "block"):
+        raise CliError(f"--fp8-scaling: {fp8_scaling!r} is not one of tensor, row, block")
+    if fp8_scaling is not None and str(dtype).lower() not in ("float8_e4m3fn", "fp8"):
+        raise CliError("--fp8-scaling: applies to --dtype float8_e4m3fn only")
     if not src.exists():
         raise CliError(f"{src}: no such file or directory")
     try:
@@ -46,7 +53,7 @@ def shard(
         from jobs.runners.errors import RunnerInputError
 
         source = shard_source(src, base, model_cache(state_home()), say=lambda line: typer.echo(line, err=True))
-        result = shard_checkpoint(str(source), str(dst), dtype=dtype, overwrite=overwrite)
+        result = shard_checkpoint(str(source), str(dst), dtype=dtype, overwrite=overwrite, fp8_scaling=fp8_scaling)
     except RunnerInputError as exc:
         raise CliError(f"shard: {str(exc).replace('model.transformer: ', '', 1)}") from None
     except (OffloadError, PermissionError) as exc:

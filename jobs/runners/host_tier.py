@@ -48,7 +48,7 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
 
     try:
         folder = Path(transformer_dir) if transformer_dir is not None else Path(model_dir) / "transformer"
-        source = read_source(folder, dtype, offload.weight_dtype)
+        source = read_source(folder, dtype, offload.weight_dtype, offload.fp8_scaling)
     except ShardError as exc:  # no safetensors to size or shard: loading says what is wrong with the folder
         _say(f"host RAM: not checked ({exc})")
         return offload
@@ -73,9 +73,5 @@ def choose_host_tier(spec: JobSpec, offload: Any, model_dir: Path, dtype: torch.
                                      offload.disk_stream_slots or MIN_STREAM_SLOTS, slots)
     emit_event(run_dir, Metric.host_store, host_store=TIER_DISK, reason=d.reason, shard_dir=str(got.path),
                max_memory_bytes=max_memory, **numbers)
-    scaling = offload.fp8_scaling
-    if scaling not in (None, "tensor"):  # the shard format holds one fp8 scale a tensor
-        _say(f"offload.fp8_scaling: {scaling} scales are not in the shard format yet; the shards use tensor")
-        scaling = "tensor"
-    return dataclasses.replace(offload, lazy_load=True, shard_dir=str(got.path), max_memory=max_memory,
-                               fp8_scaling=scaling)
+    # the shards hold the job's fp8 scaling (read_source), so the engine's key stays as the user set it
+    return dataclasses.replace(offload, lazy_load=True, shard_dir=str(got.path), max_memory=max_memory)

@@ -12,7 +12,8 @@ An entry is taken only when its cache.json names its key. The entry is made by r
 job takes as complete; a `<key>` folder without its marker (a copy cut short, an older layout) is
 removed and sharded again.
 
-The key is content-addressed by the source's identity: the shard format version, the storage dtype,
+The key is content-addressed by the source's identity: the shard format version, the storage dtype
+(and fp8's row or block scaling; tensor-scaled entries keep the key they had before scalings),
 the granularity, and per source file (the transformer's safetensors and config.json, symlinks
 resolved: a hub snapshot's blobs are named by their content hash) its path, size, mtime and every
 tensor's name, dtype, shape and offsets. Reading 24 GB to hash it would cost more than it saves; a
@@ -57,11 +58,14 @@ class ShardSource:
     tensors: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, start, nbytes
     store_dtype: str | None  # None: as the files hold them (they are already in the job's dtype)
     weight_bytes: int  # every tensor at the job's dtype (integers as stored)
+    fp8_scaling: str | None = None  # with store_dtype float8_e4m3fn: tensor, row or block (quant.py)
 
 
-def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = None) -> ShardSource:
+def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = None,
+                fp8_scaling: str | None = None) -> ShardSource:
     """The headers of `folder`'s safetensors files (nothing else is read), for a job computing in
-    `dtype` and storing its weight matrices in `weight_dtype` (the engine's key; None: in `dtype`)."""
+    `dtype` and storing its weight matrices in `weight_dtype` (the engine's key; None: in `dtype`),
+    fp8 scaled as `fp8_scaling` says (None: the engine's default)."""
     from offload_core.disk.source import SafetensorsSource, source_files
 
     files, config = source_files(folder)
@@ -80,15 +84,22 @@ def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = Non
         store_dtype: str | None = weight_dtype  # the shards hold what the engine would store (fp8 with its scales)
     else:
         store_dtype = str(dtype).removeprefix("torch.") if differs else None
-    return ShardSource(folder, files, config, tensors, store_dtype, weight_bytes)
+    scaling = None
+    if store_dtype == "float8_e4m3fn":
+        from offload_core.quant import DEFAULT_SCALING
+
+        scaling = fp8_scaling or DEFAULT_SCALING
+    return ShardSource(folder, files, config, tensors, store_dtype, weight_bytes, scaling)
 
 
 def shard_key(source: ShardSource) -> str:
     from offload_core.disk.format import FORMAT_VERSION
 
     h = hashlib.sha256()
-    h.update(json.dumps({"format_version": FORMAT_VERSION, "dtype": source.store_dtype,
-                         "granularity": GRANULARITY}).encode())
+    ident: dict[str, Any] = {"format_version": FORMAT_VERSION, "dtype": source.store_dtype, "granularity": GRANULARITY}
+    if source.fp8_scaling not in (None, "tensor"):  # row/block slabs differ from tensor-scaled ones
+        ident["fp8_scaling"] = source.fp8_scaling
+    h.update(json.dumps(ident).encode())
     for p in [*source.files, *([source.config] if source.config else [])]:
         real = p.resolve()
         st = real.stat()
@@ -187,8 +198,9 @@ def cached_shards(source: ShardSource, root: Path, say: Callable[[str], None] = 
                 say(f"  sharded {done}/{total} files ({p['written']} units written, {p['resumed']} resumed)")
 
         result = shard_checkpoint(source.folder, partial, dtype=source.store_dtype, granularity=GRANULARITY,
-                                  progress=False, callback=report, overwrite=True)
+                                  progress=False, callback=report, overwrite=True, fp8_scaling=source.fp8_scaling)
         publish_entry(partial, entry, {"key": key, "source": str(source.folder), "dtype": source.store_dtype,
+                                       "fp8_scaling": source.fp8_scaling,
                                        "bytes": result["bytes"], "created": time.time()})
         out.seconds = time.monotonic() - t0
         out.written_bytes, out.resumed_units = result["written_bytes"], result["resumed"]

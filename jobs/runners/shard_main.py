@@ -29,7 +29,7 @@ def main() -> None:
     try:  # a BFL/ComfyUI transformer file: converted into the model cache first (a block at a time)
         source = shard_source(Path(spec.shard.src), None, model_cache(run_dir.parent.parent))
         result = shard_checkpoint(str(source), spec.shard.dst, dtype=spec.shard.dtype, progress=False, callback=report,
-                                  overwrite=spec.shard.overwrite)
+                                  overwrite=spec.shard.overwrite, fp8_scaling=spec.shard.fp8_scaling)
     except RunnerInputError as exc:
         fail(Reason.SETUP_FAILED, str(exc).replace("model.transformer: ", "shard.src: ", 1))
     except MemoryError as exc:

@@ -1,6 +1,6 @@
 """offload_core.disk: the disk tier. Shards whose layout is the slab layout, read into a bounded cache.
 
-    format     the shard directory and index.json (version 2): a unit on disk is its slab
+    format     the shard directory and index.json (version 2; 3 with fp8 row/block scales): a unit on disk is its slab
     source     a safetensors checkpoint read tensor by tensor into the caller's memory
     grouping   which unit each checkpoint tensor belongs to (units.py decides)
     write      shard_checkpoint (from a checkpoint) and shard_model (offload_to_disk)

@@ -1,9 +1,10 @@
 """Binding a live model to a shard index: its units to their slabs, its other tensors to their bytes.
 
 ``bind_units`` matches each streamed unit the engine found to the index entry of the same name,
-puts its tensors in the index's order, takes each tensor's storage dtype (and fp8 scale) from the
-index, re-lays the unit out, and checks that the result is byte for byte the slab on disk: same
-tensors, same shapes, same offsets. It must run before the engine builds anything from the units'
+puts its tensors in the index's order, takes each tensor's storage dtype (and fp8 scale, or the
+shape of its row/block scales in the slab) from the index, re-lays the unit out, and checks that
+the result is byte for byte the slab on disk: same tensors, same shapes, same offsets (scales'
+included). It must run before the engine builds anything from the units'
 layout (the arena's views, the ring's slot size, the widener). Anything else is a ShardMismatchError that names the unit, the tensor and the index:
 reading a slab into a unit laid out differently would be a silent wrong result.
 
@@ -65,8 +66,10 @@ def bind_units(units: Iterable[Unit], index: ShardIndex, model: nn.Module | None
                     f"{where}: tensor {te.name} is {dtype_name(te.dtype)} in the shards and {dtype_name(ts.dtype)} in the "
                     "model" + ("; a trained tensor must be stored in its own dtype" if ts.trainable else ""))
             ts.store_dtype, ts.scale = store, te.scale
+            ts.scale_shape = tuple(te.scale_shape) if te.scale_shape is not None and store is not None else None
         u.layout()
-        bad = [(ts, te) for ts, te in zip(u.tensors, entry.tensors) if ts.store_offset != te.offset]
+        bad = [(ts, te) for ts, te in zip(u.tensors, entry.tensors)
+               if ts.store_offset != te.offset or (ts.scale_nbytes and ts.scale_offset != te.scale_offset)]
         if bad or u.store_nbytes != entry.nbytes:
             compute = {dtype_name(te.source_dtype) for te in entry.tensors if te.source_dtype is not None}
             have = {dtype_name(ts.dtype) for ts in u.tensors}
@@ -129,8 +132,8 @@ def materialize(model: nn.Module, index: ShardIndex, streamed: Iterable[Unit] = 
             raise ShardMismatchError(f"{index.path}: tensor {te.name}: shape {list(t.shape)} in the model, "
                                      f"{te.shape} in the index")
         value = reader.read_tensor(slab, te)
-        if te.dtype != t.dtype:
-            value = widen(value, te.scale, t.dtype)
+        if te.dtype != t.dtype:  # fp8 of a unit the planner keeps resident: its row/block scales from the slab too
+            value = widen(value, reader.read_scales(slab, te) if te.scale_shape is not None else te.scale, t.dtype)
         _replace(holders[tid], t, value.to(dev))
         total += te.nbytes
     return total

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..quant import scale_view
 from ..units import Unit
 from .cache import NextUse, SlabCache
 from .errors import ShardError, ShardReadError
@@ -401,6 +402,14 @@ class _Core:
                 return typed if u.kept else typed.clone()
         return self.reader.read_tensor(u.entry, u.entry.tensors[index])
 
+    def scales(self, unit: Unit, index: int) -> torch.Tensor:
+        t = unit.tensors[index]
+        with self.cond:
+            u = self.units[unit.uid]
+            if u.ready:
+                return scale_view(u.pool.slab(u.offset, u.entry.nbytes)[: u.entry.nbytes], t).clone()
+        return self.reader.read_scales(u.entry, u.entry.tensors[index])
+
     def used_bytes(self) -> int:
         return sum(u.entry.nbytes for u in self.units.values() if u.pool is not None)
 
@@ -520,6 +529,11 @@ class DiskStore:
         """One tensor's host value, typed and shaped: a view into the slab of a kept unit (``master``
         first, to write), else a copy (the cache may let the slab go), read from disk when not in memory."""
         return self._core.view(unit, index)
+
+    def scales(self, unit: Unit, index: int) -> torch.Tensor:
+        """Tensor ``index``'s fp8 row/block scales, a copy (from the cache, else read from disk): what
+        ``state_dict`` widens with, without keeping the unit as ``master`` would."""
+        return self._core.scales(unit, index)
 
     def stats(self) -> dict[str, Any]:
         return {"host_store": "disk", "host_store_reason": self.reason, **self._core.stats()}

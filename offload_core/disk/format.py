@@ -1,4 +1,4 @@
-"""The shard directory format, version 2: on disk, a unit is its host slab.
+"""The shard directory format, version 2 (3 with fp8 row/block scales): on disk, a unit is its host slab.
 
     DST/
         index.json                        written last: unit -> file, byte range, sha256, tensors
@@ -23,10 +23,21 @@ index.json (``format_version`` 2)::
      "units": {"transformer_blocks.0": {"file": ..., "offset": 4096, "nbytes": ..., "sha256": ...,
                "xxh3"? (xxh3-64 of the slab: the check on a unit's first read in a process; absent in older indexes),
                "tensors": {name: {"dtype", "shape", "offset" (in the slab), "nbytes",
-                                  "source_dtype"? (the compute dtype the slab was laid out for), "scale"? (fp8)}}}},
+                                  "source_dtype"? (the compute dtype the slab was laid out for),
+                                  "scale"? (fp8, one scale a tensor: a float),
+                                  "scale_shape"?, "scale_offset"? (fp8 row/block scales: fp32, in the slab)}}}},
      "resident": {same shape as a unit: tensors no streamed unit holds (tied, or in a unit the
                   checkpoint holds only part of)},
      "files": {name: {"nbytes": ...}}}
+
+fp8 with ``fp8_scaling`` row or block (quant.py) keeps its fp32 scales where the engine's host slab
+keeps them: in the unit's slab after its tensors (``Unit.layout``), at ``scale_offset``, shaped
+``scale_shape`` ((rows,) for row, (row tiles, column tiles) for block). So the disk tier reads them
+in the unit's one read and the device widens them from the same raw copy as the arena's slabs; the
+safetensors header names them ``__scale__.<tensor>`` (F32), so ``safe_open`` reads them too. An index
+holding such scales says ``format_version`` 3 and ``fp8_scaling`` (a reader of version 2 only would
+lay the slab out without them: it refuses the index by its version instead); every other index is
+written as version 2, as before, and both are read.
 
 Version 1 (one safetensors file per block, tensors packed by the safetensors writer) is refused
 with a message that says to re-shard: its layout is not the slab layout.
@@ -46,18 +57,22 @@ import torch
 from ..units import ALIGN
 from .errors import ShardFormatError, one_line
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "INDEX_NAME", "PROGRESS_NAME", "NON_BLOCK_FILE", "FILE_ALIGN", "SLAB_ALIGN",
+__all__ = ["FORMAT", "FORMAT_VERSION", "SCALES_VERSION", "READ_VERSIONS", "INDEX_NAME", "PROGRESS_NAME", "NON_BLOCK_FILE",
+           "FILE_ALIGN", "SLAB_ALIGN",
            "ST_CODES", "FROM_ST", "dtype_name", "dtype_from_name", "align", "file_name", "block_of",
            "TensorEntry", "SlabEntry", "ShardIndex", "load_index", "read_json", "safetensors_header"]
 
 FORMAT = "offload-jobs-shards"
 FORMAT_VERSION = 2
+SCALES_VERSION = 3  # version 2 plus fp8 row/block scales in the slabs; written only when a slab holds some
+READ_VERSIONS = (FORMAT_VERSION, SCALES_VERSION)
 INDEX_NAME = "index.json"
 PROGRESS_NAME = ".progress.json"
 NON_BLOCK_FILE = "non_block.safetensors"
 FILE_ALIGN = 4096  # slab starts and file ends: O_DIRECT's offset, length and buffer alignment
 SLAB_ALIGN = ALIGN  # tensors inside a slab, as units.py lays them out
 PAD_PREFIX = "__pad__."
+SCALE_PREFIX = "__scale__."
 
 ST_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -104,6 +119,19 @@ class TensorEntry:
     nbytes: int
     source_dtype: torch.dtype | None = None  # the compute dtype when it differs from the stored one
     scale: float | None = None  # fp8's per-tensor scale
+    scale_shape: list[int] | None = None  # fp8 row/block scales (fp32) in the slab, at scale_offset
+    scale_offset: int = 0
+
+    @property
+    def scale_nbytes(self) -> int:
+        return 0 if self.scale_shape is None else 4 * math.prod(self.scale_shape)
+
+    @property
+    def scaling(self) -> str | None:
+        """fp8 scaling as quant.py names it (None: not fp8)."""
+        if self.dtype is not torch.float8_e4m3fn:
+            return None
+        return "tensor" if self.scale_shape is None else ("row" if len(self.scale_shape) == 1 else "block")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "offset": self.offset,
@@ -112,6 +140,8 @@ class TensorEntry:
             out["source_dtype"] = dtype_name(self.source_dtype)
         if self.scale is not None:
             out["scale"] = self.scale
+        if self.scale_shape is not None:
+            out["scale_shape"], out["scale_offset"] = list(self.scale_shape), self.scale_offset
         return out
 
 
@@ -192,13 +222,13 @@ def load_index(shard_dir: str | Path) -> ShardIndex:
     if data.get("format") != FORMAT:
         raise ShardFormatError(f"{path}: not an {FORMAT} index (format {data.get('format')!r})")
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         if isinstance(version, int) and version < FORMAT_VERSION:
             raise ShardFormatError(
                 f"{path}: shard format version {version}, written before the disk tier; its files are not laid out "
                 f"as slabs. Re-shard the checkpoint (offload-jobs shard SRC DST) to get version {FORMAT_VERSION}")
         raise ShardFormatError(f"{path}: shard format version {version!r} is not one this offload-jobs reads "
-                               f"(it reads {FORMAT_VERSION}); upgrade offload-jobs or re-shard")
+                               f"(it reads {' and '.join(map(str, READ_VERSIONS))}); upgrade offload-jobs or re-shard")
     try:
         units = {name: _slab(name, e, path) for name, e in data["units"].items()}
         resident = _slab("<resident>", data["resident"], path) if data.get("resident") else None
@@ -232,7 +262,9 @@ def _slab(name: str, e: dict[str, Any], path: Path) -> SlabEntry:
         tensors.append(TensorEntry(
             tname, dtype_from_name(t["dtype"], where), [int(s) for s in t["shape"]], int(t["offset"]), int(t["nbytes"]),
             dtype_from_name(t["source_dtype"], where) if t.get("source_dtype") else None,
-            float(t["scale"]) if t.get("scale") is not None else None))
+            float(t["scale"]) if t.get("scale") is not None else None,
+            [int(n) for n in t["scale_shape"]] if t.get("scale_shape") is not None else None,
+            int(t.get("scale_offset", 0))))
     entry = SlabEntry(name, str(e["file"]), int(e["offset"]), int(e["nbytes"]), str(e["sha256"]), tensors,
                       str(e.get("xxh3") or ""))
     for t in tensors:
@@ -240,13 +272,30 @@ def _slab(name: str, e: dict[str, Any], path: Path) -> SlabEntry:
             raise ShardFormatError(f"{where}: tensor {t.name} lies outside its slab")
         if t.nbytes != math.prod(t.shape) * t.dtype.itemsize or any(d < 0 for d in t.shape):
             raise ShardFormatError(f"{where}: tensor {t.name}: {t.nbytes} bytes do not fit its shape {t.shape}")
+        if t.scale_shape is not None:
+            _check_scales(t, entry, where)
     return entry
+
+
+def _check_scales(t: TensorEntry, entry: SlabEntry, where: str) -> None:
+    """Row/block scales: of an fp8 tensor, shaped as quant.scale_shape makes them, inside the slab and
+    after the tensor bytes (the widening would read anything else as scales)."""
+    from ..quant import scale_shape
+
+    scaling = "row" if len(t.scale_shape or ()) == 1 else "block"
+    if t.dtype is not torch.float8_e4m3fn or not t.shape or list(scale_shape(t.shape, scaling) or ()) != t.scale_shape:
+        raise ShardFormatError(f"{where}: tensor {t.name}: scale_shape {t.scale_shape} is not the row or block scales "
+                               f"of a float8_e4m3fn tensor of shape {t.shape}")
+    end_of_tensors = max(x.offset + x.nbytes for x in entry.tensors)
+    if t.scale_offset < end_of_tensors or t.scale_offset % 4 or t.scale_offset + t.scale_nbytes > entry.nbytes:
+        raise ShardFormatError(f"{where}: tensor {t.name}: its scales lie outside the slab's scale area")
 
 
 def safetensors_header(slabs: list[SlabEntry], data_start: int, file_nbytes: int) -> bytes:
     """The safetensors header of a shard file whose data begins at ``data_start`` (header included).
 
-    Real tensors carry their names; every gap (alignment padding) becomes a ``__pad__.N`` uint8
+    Real tensors carry their names, fp8 row/block scales ``__scale__.<name>``; every gap (alignment
+    padding) becomes a ``__pad__.N`` uint8
     tensor, so the data is fully indexed as safetensors requires.
     """
     spans: list[tuple[int, int, str, dict[str, Any]]] = []
@@ -254,8 +303,13 @@ def safetensors_header(slabs: list[SlabEntry], data_start: int, file_nbytes: int
         for t in s.tensors:
             start = s.offset + t.offset - data_start
             spans.append((start, start + t.nbytes, t.name, {"dtype": ST_CODES[t.dtype], "shape": list(t.shape)}))
+            if t.scale_shape is not None:
+                start = s.offset + t.scale_offset - data_start
+                spans.append((start, start + t.scale_nbytes, SCALE_PREFIX + t.name,
+                              {"dtype": "F32", "shape": list(t.scale_shape)}))
     spans.sort(key=lambda x: x[0])
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "offload_jobs_shards": str(FORMAT_VERSION)}}
+    version = SCALES_VERSION if any(t.scale_shape is not None for s in slabs for t in s.tensors) else FORMAT_VERSION
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "offload_jobs_shards": str(version)}}
     pos, pads = 0, 0
     end = file_nbytes - data_start
     for start, stop, name, info in [*spans, (end, end, "", {})]:

@@ -117,8 +117,10 @@ def _model_from_config(config_path: Path) -> tuple[nn.Module, str]:
 
 
 def group_checkpoint(tensors: dict[str, SourceTensor], granularity: Granularity, target: torch.dtype | None,
-                     config_path: Path | None = None) -> Grouping:
-    """Units for a checkpoint: from its model when a diffusers config names one, else from a skeleton."""
+                     config_path: Path | None = None, fp8_scaling: str = "tensor") -> Grouping:
+    """Units for a checkpoint: from its model when a diffusers config names one, else from a skeleton.
+    ``fp8_scaling`` (tensor, row, block) lays out the fp8 tensors' scales as the engine's slabs do."""
+    from ..quant import scale_shape
     kind, model_class = "names", None
     if config_path is not None and "_class_name" in read_json(config_path):
         model, model_class = _model_from_config(config_path)
@@ -150,6 +152,8 @@ def group_checkpoint(tensors: dict[str, SourceTensor], granularity: Granularity,
         for ts, n in zip(u.tensors, tnames):
             ts.dtype = tensors[n].dtype  # laid out for the checkpoint's dtype: the one the model computes in
             ts.store_dtype = storage_for(ts.dtype, list(ts.shape), ts.is_param, target)
+            if ts.store_dtype is torch.float8_e4m3fn:
+                ts.scale_shape = scale_shape(ts.shape, fp8_scaling)
         u.layout()
         u.uid = len(out.units)
         out.units.append(u)

@@ -107,6 +107,12 @@ def open_disk_store(model: nn.Module, units: list[Unit], block_lists: Iterable[s
             raise OffloadConfigError(
                 f"weight_dtype: the shards in {shard_dir} hold {shards_dtype}; leave weight_dtype unset (the "
                 f"storage dtype comes from the shards) or re-shard with --dtype {config.weight_dtype}")
+        held = sorted({t.scaling for s in index.slabs() for t in s.tensors
+                       if t.scaling and t.source_dtype is not None})  # fp8 the writer made (not fp8 as stored)
+        if config.fp8_scaling is not None and held and held != [config.fp8_scaling]:
+            raise OffloadConfigError(
+                f"fp8_scaling: the shards in {shard_dir} hold {'/'.join(held)} fp8 scales; leave fp8_scaling unset "
+                f"(the scales come from the shards) or re-shard with --fp8-scaling {config.fp8_scaling}")
         in_shards = {t.name for s in index.slabs() for t in s.tensors}
         fill_computed_tensors(model, lambda n: n in in_shards)
         _keep_unmatched_resident(units, set(index.units))

@@ -174,3 +174,9 @@ class UnitReader:
         finally:
             os.close(fd)
         return out
+
+    def read_scales(self, entry: SlabEntry, t: TensorEntry) -> torch.Tensor:
+        """The fp32 row/block scales of fp8 tensor ``t`` (in its slab after the unit's tensors), fresh."""
+        assert t.scale_shape is not None
+        return self.read_tensor(entry, TensorEntry(f"{t.name} (scales)", torch.float32, list(t.scale_shape),
+                                                   t.scale_offset, t.scale_nbytes))

@@ -3,7 +3,8 @@
     offload-jobs shard /models/FLUX.1-dev/transformer /models/flux-shards --dtype bfloat16
 
 ``shard_checkpoint`` reads the source tensor by tensor (``SafetensorsSource``: pread, page cache
-dropped), converts each to its storage dtype (fp8 with a per-tensor scale) and writes it at its
+dropped), converts each to its storage dtype (fp8 with its scales: one per tensor in the index, or row/block
+fp32 scales in the slab after the unit's tensors, as ``fp8_scaling`` asks) and writes it at its
 place in its unit's slab, so RAM stays about one tensor. ``shard_model`` does the same from a live
 model's units (``offload_to_disk``), after which the model's RAM copy can be freed.
 
@@ -31,12 +32,12 @@ import torch
 from torch import nn
 
 from ..config import Granularity
-from ..quant import quantize
+from ..quant import SCALINGS, quantize
 from ..units import Unit
 from . import checksum
 from .errors import ShardError, ShardWriteError, one_line
-from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, PROGRESS_NAME, SLAB_ALIGN,
-                     ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
+from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, PROGRESS_NAME, SCALES_VERSION,
+                     SLAB_ALIGN, ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
                      safetensors_header)
 from .grouping import group_checkpoint, group_model, storage_for
 from .source import SafetensorsSource, drop_page_cache, source_files, writable_buffer
@@ -50,8 +51,9 @@ _TARGETS = {
 }
 _ZEROS = bytes(1 << 20)
 
-# Fills the destination (the tensor's typed, shaped place in the slab); returns the fp8 scale, if any.
-Producer = Callable[[TensorEntry, torch.Tensor], "float | None"]
+# Fills the destination (the tensor's typed, shaped place in the slab) and, for fp8 row/block, its fp32
+# scales (the third argument, else None); returns the per-tensor fp8 scale, if any.
+Producer = Callable[[TensorEntry, torch.Tensor, "torch.Tensor | None"], "float | None"]
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -97,7 +99,9 @@ class _FilePlan:
 
 def _unit_entry(name: str, file: str, u: Unit, tnames: list[str]) -> SlabEntry:
     tensors = [TensorEntry(n, ts.store_dtype or ts.dtype, list(ts.shape), ts.store_offset, ts.store_nbytes,
-                           ts.dtype if ts.store_dtype is not None else None)
+                           ts.dtype if ts.store_dtype is not None else None,
+                           scale_shape=list(ts.scale_shape) if ts.scale_nbytes else None,
+                           scale_offset=ts.scale_offset if ts.scale_nbytes else 0)
                for ts, n in zip(u.tensors, tnames)]
     return SlabEntry(name, file, nbytes=u.store_nbytes, tensors=tensors)
 
@@ -167,7 +171,8 @@ def _atomic(path: Path) -> Iterator[BinaryIO]:
 
 
 def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
-    """Write one shard file, tensor by tensor, in file order; fills each slab's sha256 and scales."""
+    """Write one shard file, tensor by tensor, in file order; fills each slab's sha256 and scales.
+    Row/block scales (a few bytes a row) are held until the slab's scale area, after its tensors."""
     with _atomic(dst / plan.name) as f:
         f.write(struct.pack("<Q", len(plan.header)))
         f.write(plan.header)
@@ -176,21 +181,34 @@ def _write_file(dst: Path, plan: _FilePlan, produce: Producer) -> None:
             _write_zeros(f, s.offset - pos)
             digests = [hashlib.sha256(), *filter(None, [checksum.fast_hasher()])]
             at = 0
+            scales: list[tuple[int, torch.Tensor]] = []
             for t in sorted(s.tensors, key=lambda t: t.offset):
-                _write_zeros(f, t.offset - at, *digests)
                 buf = torch.empty(t.shape, dtype=t.dtype)
-                t.scale = produce(t, buf)
-                data = writable_buffer(buf)
-                for d in digests:
-                    d.update(data)
-                f.write(data)
-                del data, buf
-                at = t.offset + t.nbytes
+                sbuf = torch.empty(t.scale_shape, dtype=torch.float32) if t.scale_shape is not None else None
+                t.scale = produce(t, buf, sbuf)
+                at = _put(f, digests, at, t.offset, buf)
+                del buf
+                if sbuf is not None:
+                    scales.append((t.scale_offset, sbuf))
+            for off, sbuf in sorted(scales, key=lambda x: x[0]):
+                at = _put(f, digests, at, off, sbuf)
             _write_zeros(f, s.nbytes - at, *digests)
             s.sha256 = digests[0].hexdigest()
             s.xxh3 = digests[1].hexdigest() if len(digests) > 1 else ""
             pos = s.offset + s.nbytes
         _write_zeros(f, plan.nbytes - pos)
+
+
+def _put(f: Any, digests: list[Any], at: int, offset: int, value: torch.Tensor) -> int:
+    """Write ``value``'s bytes at ``offset`` into the slab being written (at ``at`` now), zeros before."""
+    if offset < at:  # the layout puts scales after every tensor: anything else is a bug, never a silent overlap
+        raise RuntimeError(f"shard writer: bytes at {offset} in a slab already written up to {at}")
+    _write_zeros(f, offset - at, *digests)
+    data = writable_buffer(value)
+    for d in digests:
+        d.update(data)
+    f.write(data)
+    return offset + value.numel() * value.element_size()
 
 
 def _slab_digests(path: Path, s: SlabEntry) -> tuple[str, str]:
@@ -346,7 +364,13 @@ def _write_all(dst: Path, plans: list[_FilePlan], produce: Producer, fingerprint
 def _finish(dst: Path, meta: dict[str, Any], plans: list[_FilePlan]) -> ShardIndex:
     units = {s.name: s for p in plans for s in p.slabs if s.name != "<resident>"}
     resident = next((s for p in plans for s in p.slabs if s.name == "<resident>"), None)
-    index = ShardIndex(dst / INDEX_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta,
+    # the scaling of the tensors this writer made fp8 (not those stored as they came); row/block
+    # scales in the slabs make it version 3, so a reader of version 2 refuses the index by name
+    scalings = {t.scaling for p in plans for s in p.slabs for t in s.tensors if t.scaling and t.source_dtype is not None}
+    if scalings:
+        meta = {**meta, "fp8_scaling": "/".join(sorted(scalings))}
+    version = SCALES_VERSION if scalings - {"tensor"} else FORMAT_VERSION
+    index = ShardIndex(dst / INDEX_NAME, {"format": FORMAT, "format_version": version, **meta,
                                           "file_align": FILE_ALIGN, "slab_align": SLAB_ALIGN},
                        units, resident, {p.name: p.nbytes for p in plans})
     data = index.to_json()
@@ -370,18 +394,21 @@ def shard_checkpoint(
     config: str | os.PathLike[str] | None = None,
     callback: Callable[[dict[str, Any]], None] | None = None,
     overwrite: bool = False,
+    fp8_scaling: str | None = None,
 ) -> dict[str, Any]:
     """Shard SRC (a diffusers folder or a .safetensors file) into DST; returns a summary dict.
 
-    dtype converts floating tensors (float8_e4m3fn: weight matrices only, with a per-tensor scale in
-    the index). config names a config.json for a single-file checkpoint. callback gets a progress
-    dict after each file. A rerun with the same arguments skips the files already finished. A DST
-    that holds files this tool did not write is refused unless ``overwrite`` (which still removes
-    nothing but the files it writes).
+    dtype converts floating tensors (float8_e4m3fn: weight matrices only, scaled as ``fp8_scaling``
+    says: tensor (one scale in the index), row or block (fp32 scales in the slab, as the engine's
+    arena holds them); None: the engine's default, row). config names a config.json for a
+    single-file checkpoint. callback gets a progress dict after each file. A rerun with the same
+    arguments skips the files already finished. A DST that holds files this tool did not write is
+    refused unless ``overwrite`` (which still removes nothing but the files it writes).
     """
     t0 = time.monotonic()
     src_p, dst_p = Path(src), Path(dst)
     target = parse_dtype(dtype)
+    scaling = _fp8_scaling(fp8_scaling, target)
     try:
         g = Granularity(getattr(granularity, "value", granularity))
     except ValueError:
@@ -395,7 +422,7 @@ def shard_checkpoint(
     try:
         if not source.tensors:
             raise ShardError(f"{files[0]}: holds no tensors")
-        grouping = group_checkpoint(source.tensors, g, target, config_path)
+        grouping = group_checkpoint(source.tensors, g, target, config_path, scaling or "tensor")
         entries = []
         for u in grouping.units:
             block = block_of(u.name, grouping.block_lists)
@@ -412,15 +439,16 @@ def shard_checkpoint(
             "inputs": {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns]
                        for p in [*files, *([config_path] if config_path else [])]},
             "dtype": None if target is None else dtype_name(target), "granularity": grouping.granularity,
+            **({"fp8_scaling": scaling} if scaling not in (None, "tensor") else {}),
         }
 
-        def produce(t: TensorEntry, out: torch.Tensor) -> float | None:
+        def produce(t: TensorEntry, out: torch.Tensor, scale_out: torch.Tensor | None) -> float | None:
             if t.source_dtype is None:
                 source.read_into(t.name, out)
                 return None
             x = source.read(t.name)
-            _, scale = quantize(x, t.dtype, out=out)
-            return scale
+            _, scale = quantize(x, t.dtype, out=out, scaling=t.scaling or "tensor", scale_out=scale_out)
+            return scale if isinstance(scale, float) else None
 
         counts = _write_all(dst_p, plans, produce, fingerprint, progress, callback,
                             after_file=lambda _: source.release())
@@ -484,13 +512,15 @@ def shard_model(
     plans = _plan_files(entries, _packed_entry("<resident>", NON_BLOCK_FILE, others) if others else None)
     _prepare_dst(dst_p, None, [p.name for p in plans], overwrite)
 
-    def produce(t: TensorEntry, out: torch.Tensor) -> float | None:
+    def produce(t: TensorEntry, out: torch.Tensor, scale_out: torch.Tensor | None) -> float | None:
         ts = slot_of.get(t.name)
         x = (ts.tensor() if ts is not None else values[t.name]).detach()
         if x.device.type == "meta":
             raise ShardError(f"{dst_p}: tensor {t.name} is on the meta device; offload_to_disk needs the weights in RAM")
-        _, scale = quantize(x.to("cpu"), t.dtype, out=out)
-        if ts is not None and scale is not None:
+        _, scale = quantize(x.to("cpu"), t.dtype, out=out, scaling=t.scaling or "tensor", scale_out=scale_out)
+        if not isinstance(scale, float):
+            return None  # none, or row/block scales: written into the slab from scale_out
+        if ts is not None:
             ts.scale = scale
         return scale
 
@@ -498,6 +528,20 @@ def shard_model(
     meta = {"source": f"model:{type(model).__name__}", "dtype": None, "granularity": None, "grouping": "model",
             "model_class": type(model).__name__, "block_lists": block_lists}
     return _finish(dst_p, meta, plans)
+
+
+def _fp8_scaling(fp8_scaling: str | None, target: torch.dtype | None) -> str | None:
+    """The fp8 scaling a shard run writes: the one asked, else the engine's default (row); None without fp8."""
+    from ..quant import DEFAULT_SCALING
+
+    if fp8_scaling is not None and fp8_scaling not in SCALINGS:
+        raise ShardError(f"fp8_scaling: {fp8_scaling!r} is not one of {', '.join(SCALINGS)}")
+    if target is not torch.float8_e4m3fn:
+        if fp8_scaling is not None:
+            raise ShardError(f"fp8_scaling: applies to dtype float8_e4m3fn only (dtype is "
+                             f"{'unset' if target is None else dtype_name(target)})")
+        return None
+    return fp8_scaling or DEFAULT_SCALING
 
 
 def free_host_copies(units: list[Unit]) -> int:

@@ -44,6 +44,8 @@ def test_every_spec_key_reaches_the_engine() -> None:
     assert (cfg.weight_dtype, cfg.fp8_scaling, cfg.resolved_fp8_scaling) == ("float8_e4m3fn", "tensor", "tensor")
     ram = OffloadConfig.from_overrides(**OffloadSpec(weight_dtype="float8_e4m3fn", fp8_scaling="block").engine_kwargs())
     assert ram.resolved_fp8_scaling == "block"
-    assert OffloadConfig(weight_dtype="float8_e4m3fn").resolved_fp8_scaling == "row"  # the default from RAM
+    assert OffloadConfig(weight_dtype="float8_e4m3fn").resolved_fp8_scaling == "row"  # the default
+    # from shards too (lazy_load then takes the scaling the shards hold)
+    assert OffloadConfig(weight_dtype="float8_e4m3fn", lazy_load=True, shard_dir="/s").resolved_fp8_scaling == "row"
     # compile refuses split_threshold_mb (above), so it goes alone
     assert OffloadConfig.from_overrides(**OffloadSpec(compile=True).engine_kwargs()).compile is True

@@ -195,8 +195,6 @@ def test_load_state_dict_requantizes_with_the_scaling() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"weight_dtype": FP8, "fp8_scaling": "channel"}, "fp8_scaling: unknown value 'channel'"),
     ({"weight_dtype": "bfloat16", "fp8_scaling": "row"}, "fp8_scaling: applies to weight_dtype float8_e4m3fn"),
-    ({"weight_dtype": FP8, "fp8_scaling": "block", "offload_to_disk": True, "shard_dir": "x"},
-     "fp8_scaling: block scales are not in the shard format"),
 ])
 def test_bad_scaling_names_the_key(kwargs: dict, match: str) -> None:
     with pytest.raises(OffloadConfigError, match=match):

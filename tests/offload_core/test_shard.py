@@ -180,19 +180,25 @@ def test_bf16_conversion(flux: tuple[Path, dict], tmp_path: Path) -> None:
         0.55 * fp32 + 4096 * (len(index["units"]) + 2 * len(index["files"])))
 
 
-def test_fp8_stores_quantize_data_and_scales(flux: tuple[Path, dict], tmp_path: Path) -> None:
+@pytest.mark.parametrize("scaling", ["tensor", None])  # None: the engine's default, row
+def test_fp8_stores_quantize_data_and_scales(flux: tuple[Path, dict], tmp_path: Path, scaling: str | None) -> None:
     src, state = flux
-    shard_checkpoint(src, tmp_path / "out", dtype="float8_e4m3fn", progress=False, verify=True)
+    shard_checkpoint(src, tmp_path / "out", dtype="float8_e4m3fn", progress=False, verify=True, fp8_scaling=scaling)
     loaded = _load_all(tmp_path / "out")
-    metas = {k: m for e in _index(tmp_path / "out")["units"].values() for k, m in e["tensors"].items()}
+    index = _index(tmp_path / "out")
+    metas = {k: m for e in index["units"].values() for k, m in e["tensors"].items()}
     matrices = [k for k, v in state.items() if v.dim() >= 2]
-    assert matrices
+    assert matrices and index["fp8_scaling"] == (scaling or "row")
     for k, v in state.items():
         if v.dim() >= 2:
-            want, scale = quantize(v, torch.float8_e4m3fn)
+            want, scale = quantize(v, torch.float8_e4m3fn, scaling=scaling or "row")
             assert loaded[k].dtype == torch.float8_e4m3fn
             assert torch.equal(_bits(loaded[k]), _bits(want)), k
-            assert metas[k]["scale"] == scale and metas[k]["dtype"] == "float8_e4m3fn"
+            assert metas[k]["dtype"] == "float8_e4m3fn"
+            if scaling == "tensor":
+                assert metas[k]["scale"] == scale and "scale_shape" not in metas[k]
+            else:  # fp32 scales in the slab, named in the safetensors header
+                assert "scale" not in metas[k] and torch.equal(loaded["__scale__." + k], scale)
         else:  # norms and biases stay as they were, as quant.eligible does
             assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) and "scale" not in metas[k], k
 

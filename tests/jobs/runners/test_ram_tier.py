@@ -117,9 +117,10 @@ def test_lazy_load_alone_takes_the_caches_shards_and_streams_bitwise(tiny: dict[
     assert tier["host_store"] == TIER_DISK and tier["reason"] == "offload.lazy_load: true"
     adapter = get_adapter("flux")
     disk = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=config)
-    # shards hold one fp8 scale a tensor (the RAM default is a scale a row): the same scaling compares bitwise
-    ram_keys = {**keys, "fp8_scaling": "tensor"} if weight_dtype else keys
-    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=ram_keys)
+    # the cache's fp8 shards hold the job's scaling (row, the default): the RAM engine's, bitwise
+    if weight_dtype:
+        assert json.loads((Path(config.shard_dir) / "index.json").read_text())["fp8_scaling"] == "row"
+    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=keys)
     assert disk.stats()["host_store"] == "disk" and ram.stats()["host_store"] != "disk"
     assert torch.equal(_out("flux", disk.model, torch.float32), _out("flux", ram.model, torch.float32))
     assert disk.stats()["disk_reads"] > 0

@@ -29,6 +29,10 @@ def test_the_key_follows_the_source_files_and_the_dtype(flux: Path) -> None:
     fp8 = read_source(flux, torch.float32, "float8_e4m3fn")  # the engine's weight_dtype: matrices in one byte
     assert fp8.store_dtype == "float8_e4m3fn" and fp8.weight_bytes < fp32.weight_bytes / 3
     assert shard_key(fp8) not in (shard_key(fp32), shard_key(bf16))
+    # fp8 slabs hold the job's scaling (row by default): each scaling its own entry
+    assert fp8.fp8_scaling == "row" and fp32.fp8_scaling is None
+    keys = {s: shard_key(read_source(flux, torch.float32, "float8_e4m3fn", s)) for s in ("tensor", "row", "block")}
+    assert len(set(keys.values())) == 3 and keys["row"] == shard_key(fp8)
     before = shard_key(fp32)
     assert shard_key(read_source(flux, torch.float32)) == before
     weights = next(flux.glob("*.safetensors"))
