@@ -61,7 +61,8 @@ class WorkerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"worker did not become healthy:\n{self.log.read_text()}")
+        self.stop()  # a worker that comes up after the test gave up on it would run on, unowned
+        raise RuntimeError(f"worker did not become healthy in {timeout:g} s:\n{self.log.read_text()}")
 
     @property
     def token(self) -> str:
