@@ -176,3 +176,34 @@ def test_train_from_a_scaled_fp8_file_succeeds(fp8_jobs: dict[str, dict]) -> Non
     assert (run_dir(job) / "outputs" / "lora.safetensors").is_file()
     losses = [json.loads(line).get(Metric.loss) for line in (run_dir(job) / "metrics.jsonl").read_text().splitlines()]
     assert any(v is not None for v in losses)
+
+
+def engine_outputs(tiny: dict[str, Path], fp8_files, tmp_path: Path, device: torch.device, dtype: torch.dtype,
+                   resident: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The scaled file's converted transformer and the widened folder's, each on the engine (with
+    every unit resident with `resident`: cpu_offload off): their outputs, and how many fp8 weights stayed fp8 in the host store."""
+    from test_loading import _out
+
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+
+    f, ref = fp8_files["scaled"]
+    got = converted_transformer(detect_checkpoint(f), tiny["flux"], tmp_path / "c", say=lambda _: None)
+    offload = {"offload_granularity": "block", **({"cpu_offload": False} if resident else {})}
+    outs, kept = [], 0
+    for folder in (got.path, ref / "transformer"):
+        loaded = load_transformer(tiny["flux"], get_adapter("flux"), dtype, device, offload=offload,
+                                  transformer_dir=folder)
+        try:
+            kept += sum(ts.store_dtype == FP8 for u in loaded.handle.engine.streamed for ts in u.tensors)
+            outs.append(_out("flux", loaded.model, dtype).float().cpu())
+        finally:
+            loaded.handle.remove()
+    return outs[0], outs[1], kept
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_blocks_kept_resident_are_widened_once_and_compute_the_same(tiny: dict[str, Path], fp8_files, tmp_path: Path,
+                                                                    resident: bool) -> None:
+    mine, ref, kept = engine_outputs(tiny, fp8_files, tmp_path, torch.device("cpu"), torch.float32, resident)
+    assert kept == (0 if resident else 40) and torch.equal(mine, ref)
