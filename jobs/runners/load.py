@@ -202,13 +202,8 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     if prepare is not None:
         prepare(model)
     if fp8 is not None and meta:
-        from jobs.runners.fp8_weights import keep_as_stored
-
-        count, nbytes = keep_as_stored(model, fp8)
+        _keep_fp8(model, fp8, folder, dtype, fusing=with_weights is not None)
         loaded.weight_bytes = module_bytes(model)
-        print(f"[offload-jobs] transformer: {count} fp8 block weights ({bytes_text(nbytes)}) kept as stored, streamed "
-              f"by the engine and widened to {str(dtype).removeprefix('torch.')} where they compute; "
-              f"{len(fp8.fp8) - count} other fp8 tensors widened at load", flush=True)
     if with_weights is not None and not meta:
         with_weights(model)
     if make_optimizer is not None:
@@ -258,6 +253,21 @@ def _fp8_folder(folder: Path, model: torch.nn.Module, dtype: torch.dtype, meta: 
               flush=True)
         return None
     return None if offload.lazy_load else found  # the disk tier's shards hold them widened
+
+
+def _keep_fp8(model: torch.nn.Module, fp8: Any, folder: Path, dtype: torch.dtype, *, fusing: bool) -> None:
+    """The fp8 block weights of a model built on meta kept as stored for the engine (fp8_weights.py)."""
+    from jobs.runners.fp8_weights import keep_as_stored
+
+    if fusing:  # peft would add the LoRA's delta to the fp8 bytes, its scale unseen
+        from jobs.runners.errors import SetupError
+
+        raise SetupError(f"infer.lora: fusing a LoRA into the fp8 weights of {folder} is not supported yet; "
+                         "give a bf16 model.transformer file, or leave infer.lora out")
+    count, nbytes = keep_as_stored(model, fp8)
+    print(f"[offload-jobs] transformer: {count} fp8 block weights ({bytes_text(nbytes)}) kept as stored, streamed "
+          f"by the engine and widened to {str(dtype).removeprefix('torch.')} where they compute; "
+          f"{len(fp8.fp8) - count} other fp8 tensors widened at load", flush=True)
 
 
 def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,

@@ -207,3 +207,15 @@ def test_blocks_kept_resident_are_widened_once_and_compute_the_same(tiny: dict[s
                                                                     resident: bool) -> None:
     mine, ref, kept = engine_outputs(tiny, fp8_files, tmp_path, torch.device("cpu"), torch.float32, resident)
     assert kept == (0 if resident else 40) and torch.equal(mine, ref)
+
+
+def test_a_lora_to_fuse_into_fp8_weights_is_refused_by_name(tiny: dict[str, Path], fp8_files, tmp_path: Path) -> None:
+    from jobs.runners.errors import SetupError
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+
+    got = converted_transformer(detect_checkpoint(fp8_files["plain"][0]), tiny["flux"], tmp_path / "c", say=lambda _: None)
+    with pytest.raises(SetupError) as err:
+        load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"),
+                         offload={"offload_granularity": "block"}, transformer_dir=got.path, with_weights=lambda m: None)
+    assert str(err.value).startswith("infer.lora: ") and str(got.path) in str(err.value) and "\n" not in str(err.value)
