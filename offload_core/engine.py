@@ -46,7 +46,7 @@ from .hostmem import trim_host_heap
 from .link import LinkPacer
 from .lockstep import Lockstep
 from .masters import Masters
-from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into
+from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into, widen_resident_fp8
 from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
@@ -123,7 +123,8 @@ class OffloadEngine:
         self.prediction: dict[str, Any] = dict(residency.info, granularity=self.layout.granularity)
         self.streamed: list[Unit] = [u for u in self.units if u.streamed]
         # weights the model holds in fp8 already (ComfyUI checkpoints) stream as they are, then weight_dtype
-        adopt_native_fp8(self.streamed, compute_dtype_of(model))
+        compute = compute_dtype_of(model)
+        adopt_native_fp8(self.streamed, compute)
         self.lossy = assign_storage(self.streamed, config.weight_dtype, config.resolved_fp8_scaling)
 
         # The host store of the streamed units; it may give meta tensors their values (weights,
@@ -142,6 +143,7 @@ class OffloadEngine:
             if not u.streamed:
                 for t in u.tensors:
                     self._move_resident(t.module, t.attr, t.is_param)
+        widen_resident_fp8(model, self.streamed, compute)  # what no unit widens as it streams
         if getattr(self.store, "filled", False):
             for u in self.streamed:
                 for ts in u.tensors:

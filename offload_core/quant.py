@@ -42,7 +42,7 @@ from torch import nn
 
 from .units import Unit, UnitTensor
 
-__all__ = ["FP8_MAX", "BLOCK", "adopt_native_fp8", "compute_dtype_of", "DEFAULT_SCALING", "SCALINGS", "UnitWidener", "assign_storage", "quantize", "widen",
+__all__ = ["FP8_MAX", "BLOCK", "adopt_native_fp8", "widen_resident_fp8", "compute_dtype_of", "DEFAULT_SCALING", "SCALINGS", "UnitWidener", "assign_storage", "quantize", "widen",
            "fake_quantize", "is_lossy", "pack_into", "stored_value", "scale_shape", "scale_view", "storage_dtype"]
 
 FP8_MAX = 448.0
@@ -68,13 +68,17 @@ def scale_shape(shape: tuple[int, ...] | torch.Size, scaling: str) -> tuple[int,
 
 
 def compute_dtype_of(model: nn.Module) -> torch.dtype:
-    """The dtype fp8 weights a model holds as stored widen to: that of most of its other floating
-    parameter bytes (bf16 norms and biases beside ComfyUI's fp8 matrices), else bfloat16."""
-    counts: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype not in FP8_DTYPES:
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel() * p.element_size()
-    return max(counts, key=counts.__getitem__) if counts else torch.bfloat16
+    """The dtype fp8 weights a model holds as stored widen to: that of most of its other frozen
+    floating parameter bytes (bf16 norms and biases beside ComfyUI's fp8 matrices; a LoRA trains in
+    fp32 beside bf16 weights and does not count), else of all of them, else bfloat16."""
+    for frozen_only in (True, False):
+        counts: dict[torch.dtype, int] = {}
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype not in FP8_DTYPES and not (frozen_only and p.requires_grad):
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel() * p.element_size()
+        if counts:
+            return max(counts, key=counts.__getitem__)
+    return torch.bfloat16
 
 
 def adopt_native_fp8(units: list[Unit], compute: torch.dtype) -> bool:
@@ -93,6 +97,24 @@ def adopt_native_fp8(units: list[Unit], compute: torch.dtype) -> bool:
                 ts.scale = float(sw.float())
         u.layout()
     return found
+
+
+def widen_resident_fp8(model: nn.Module, streamed: list[Unit], compute: torch.dtype) -> int:
+    """fp8 weights held as stored that the engine does not stream (a block the planner keeps
+    resident, a stray) widened once where they are, with their module's ``scale_weight``: nothing
+    else would widen them before they compute. Returns how many."""
+    moving = {(id(ts.module), ts.attr) for u in streamed for ts in u.tensors}
+    done = 0
+    for m in model.modules():
+        for attr, p in m._parameters.items():
+            if p is None or p.dtype not in FP8_DTYPES or (id(m), attr) in moving:  # fp8 never trains
+                continue
+            sw = getattr(m, "scale_weight", None) if attr == "weight" else None
+            scale = float(sw.float()) if isinstance(sw, torch.Tensor) and sw.numel() == 1 and not sw.is_meta else None
+            with torch.no_grad():
+                p.data = widen(p.data, scale, compute)
+            done += 1
+    return done
 
 
 def assign_storage(units: list[Unit], weight_dtype: str | None, scaling: str = "tensor") -> bool:

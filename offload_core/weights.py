@@ -238,7 +238,7 @@ def _fill(model: nn.Module, streamed: Sequence[Unit], store: Any, src: Any,
             u, i = where
             ts = u.tensors[i]
             with torch.no_grad():
-                if ts.store_dtype is None:
+                if ts.store_dtype is None or ts.native_dtype is not None:  # native fp8: as stored, its scale kept
                     src.read_into(name, store.view(u, i))
                 else:  # stored narrower (weight_dtype): one tensor's temporary, rounded into the slab
                     pack_into(store, u, i, src.read_into(name, torch.empty(ts.shape, dtype=ts.dtype)))

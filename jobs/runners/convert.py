@@ -46,7 +46,7 @@ __all__ = ["ConvertedTransformer", "converted_transformer", "converted_root", "t
 
 CONVERTER_VERSION = 1  # bump when the written folder changes for the same input
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
-CLASSES = {"flux": "FluxTransformer2DModel", "wan": "WanTransformer3DModel"}
+CLASSES = {"flux": "FluxTransformer2DModel", "wan": "WanTransformer3DModel", "qwen-image": "QwenImageTransformer2DModel"}
 # BFL block lists -> diffusers': the unit of conversion is one block of either list
 FLUX_BLOCKS = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
 WAN_HEAD_DIM = 128  # every released Wan 2.1 (1.3B: 12 heads, 14B: 40); its files do not say
@@ -56,6 +56,8 @@ def _blocks(det: Detected) -> dict[str, str]:
     """The file's block lists -> the diffusers model's."""
     if det.family == "wan":
         return {"blocks": "blocks"}
+    if det.family == "qwen-image":
+        return {"transformer_blocks": "transformer_blocks"}
     return FLUX_BLOCKS if det.layout != "diffusers" else {v: v for v in FLUX_BLOCKS.values()}
 
 
@@ -98,6 +100,9 @@ def transformer_config(det: Detected, base_dir: Path | None) -> dict[str, Any]:
                                   "heads: give a model.base whose transformer/config.json has its attention_head_dim")
         config.update(attention_head_dim=head, num_attention_heads=det.width // head)
         return config
+    if det.family == "qwen-image":  # proj_out is patch x patch x out_channels rows; the patch is the base's
+        patch = int(config.get("patch_size") or 2)
+        config.update(patch_size=patch, out_channels=det.names()["proj_out.weight"].shape[0] // (patch * patch))
     head = config["attention_head_dim"]
     rope = base.get("axes_dims_rope")
     if not rope or sum(rope) != head:
@@ -196,6 +201,55 @@ def _dtype(code: str) -> torch.dtype:
     return _ST[code]
 
 
+# ComfyUI's scaled fp8: `X.scale_weight` (one fp32 per weight) beside `X.weight`, `X.scale_input` (for
+# fp8 matmuls, which widening does not do) and a top-level `scaled_fp8` marker
+SCALE = ".scale_weight"
+DROPPED = (".scale_input",)
+
+
+def _split_scales(keys: list[str], read: Callable[[str], torch.Tensor],
+                  prefix: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The piece's tensor names without the fp8 scale bookkeeping, and the scales by their weight's name."""
+    scales = {k.removesuffix(SCALE) + ".weight": read(prefix + k).float().reshape(()) for k in keys if k.endswith(SCALE)}
+    rest = [k for k in keys if not k.endswith((SCALE, *DROPPED)) and k != "scaled_fp8"]
+    return rest, scales
+
+
+def _flux_sources(det: Detected, lst: str, index: int | None, keys: list[str],
+                  convert: Callable[..., dict[str, torch.Tensor]]) -> dict[str, str]:
+    """Which file tensor each converted tensor of the piece comes from (by name): the converter run
+    once more on (rows, 1) tensors holding each input's number, so a split or a swap of halves (all
+    along dim 0) keeps it; what comes out says where it came from, at a few bytes a row."""
+    numbered = {n: i for i, n in enumerate(keys)}
+    tag = {n: torch.full((det.names()[n].shape[0], 1), float(i)) for n, i in numbered.items()}
+    out = _flux_piece(det, lambda name: tag[name[len(det.prefix):]], lst, index, keys, convert)
+    sources = {}
+    for k, v in out.items():
+        lo, hi = int(v.min()), int(v.max())
+        if lo != hi:  # a tensor made of two of the file's: no one scale for it
+            raise CheckpointError(f"{FIELD}: {det.path}: {k} is made of {keys[lo]} and {keys[hi]}, which have "
+                                  "separate fp8 scales")
+        sources[k] = keys[lo]
+    return sources
+
+
+def _apply_scales(tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], sources: dict[str, str],
+                  in_block: bool) -> dict[str, torch.Tensor]:
+    """A block's fp8 weights kept as stored, each with its `scale_weight` (the loader hands it to the
+    engine, which widens them where they compute); the other scaled weights (embedders, the output
+    layer: a few MB) widened here, `w8 * scale` in fp32 as the engine widens."""
+    out = {}
+    for k, v in tensors.items():
+        scale = scales.get(sources.get(k, k)) if k.endswith(".weight") else None
+        if scale is None:
+            out[k] = v
+        elif in_block:
+            out[k], out[k.removesuffix(".weight") + SCALE] = v, scale.clone()
+        else:
+            out[k] = v.float() * scale
+    return out
+
+
 def _check_names(det: Detected, config: dict[str, Any], written: set[str]) -> None:
     """The converted names are exactly the diffusers model's (built on meta from `config`)."""
     import accelerate
@@ -205,7 +259,8 @@ def _check_names(det: Detected, config: dict[str, Any], written: set[str]) -> No
     with accelerate.init_empty_weights():
         model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     want = set(model.state_dict())
-    missing, unknown = sorted(want - written), sorted(written - want)
+    scales = {k for k in written if k.endswith(SCALE) and k.removesuffix(SCALE) + ".weight" in want}
+    missing, unknown = sorted(want - written), sorted(written - want - scales)
     if missing or unknown:
         what = (f"lacks {len(missing)} tensor(s) the model has ({', '.join(missing[:3])})" if missing else
                 f"holds {len(unknown)} tensor(s) the model has not ({', '.join(unknown[:3])})")
@@ -230,12 +285,19 @@ def _write(det: Detected, partial: Path, config: dict[str, Any], say: Callable[[
     src = SafetensorsSource(det.files)
     try:
         for done, (lst, index, keys) in enumerate(pieces, 1):
+            keys, scales = _split_scales(keys, src.read, det.prefix)
+            sources: dict[str, str] = {}
             if convert is not None and det.layout != "diffusers":
                 tensors = _flux_piece(det, src.read, lst, index, keys, convert)
+                if scales:
+                    sources = _flux_sources(det, lst, index, keys, convert)
             elif det.layout == "native":  # Wan: names only, so the converter takes any part of the model
                 tensors = convert_wan_transformer_to_diffusers({n: src.read(det.prefix + n) for n in keys})
+                scales = convert_wan_transformer_to_diffusers(scales)  # the weights' new names
             else:
                 tensors = {n: src.read(det.prefix + n) for n in keys}
+            if scales:
+                tensors = _apply_scales(tensors, scales, sources, in_block=bool(lst))
             fname = f"{done:05d}-{(blocks[lst] + '.' + str(index)) if lst else 'non_block'}.safetensors"
             save_file(tensors, str(partial / fname), metadata={"format": "pt"})
             for k, v in tensors.items():

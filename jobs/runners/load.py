@@ -195,11 +195,15 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     else:
         model = cls.from_pretrained(str(folder), dtype=dtype, low_cpu_mem_usage=True)
         model.eval()
+    fp8 = _fp8_folder(folder, model, dtype, meta, offload)
     loaded = LoadedTransformer(model=model, weight_bytes=module_bytes(model))
     loaded.memory["rss_before_load"] = before
     loaded.memory["rss_after_load"] = rss()
     if prepare is not None:
         prepare(model)
+    if fp8 is not None and meta:
+        _keep_fp8(model, fp8, folder, dtype, fusing=with_weights is not None)
+        loaded.weight_bytes = module_bytes(model)
     if with_weights is not None and not meta:
         with_weights(model)
     if make_optimizer is not None:
@@ -227,6 +231,43 @@ def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.
     loaded.offload_seconds = time.perf_counter() - t1
     loaded.memory["rss_after_offload"] = rss()
     return loaded
+
+
+def _fp8_folder(folder: Path, model: torch.nn.Module, dtype: torch.dtype, meta: bool, offload: Any) -> Any:
+    """The fp8 weights of a transformer folder (a converted fp8 `model.transformer` file), or None.
+    A model loaded whole has them widened already: their file scales are applied here."""
+    from jobs.runners.fp8_weights import apply_scales, read_fp8_folder
+
+    found = read_fp8_folder(folder)
+    if found is None:
+        return None
+    if meta and offload.lazy_load and found.scales:
+        from jobs.runners.errors import SetupError
+
+        raise SetupError(f"model.transformer: {folder} holds scaled fp8 weights, which stream from RAM only for now; "
+                         "set offload.lazy_load: false")
+    if not meta:
+        n = apply_scales(model, found)
+        print(f"[offload-jobs] transformer: {len(found.fp8)} fp8 tensors widened to "
+              f"{str(dtype).removeprefix('torch.')} at load ({n} times their scale_weight): no engine streams them",
+              flush=True)
+        return None
+    return None if offload.lazy_load else found  # the disk tier's shards hold them widened
+
+
+def _keep_fp8(model: torch.nn.Module, fp8: Any, folder: Path, dtype: torch.dtype, *, fusing: bool) -> None:
+    """The fp8 block weights of a model built on meta kept as stored for the engine (fp8_weights.py)."""
+    from jobs.runners.fp8_weights import keep_as_stored
+
+    if fusing:  # peft would add the LoRA's delta to the fp8 bytes, its scale unseen
+        from jobs.runners.errors import SetupError
+
+        raise SetupError(f"infer.lora: fusing a LoRA into the fp8 weights of {folder} is not supported yet; "
+                         "give a bf16 model.transformer file, or leave infer.lora out")
+    count, nbytes = keep_as_stored(model, fp8)
+    print(f"[offload-jobs] transformer: {count} fp8 block weights ({bytes_text(nbytes)}) kept as stored, streamed "
+          f"by the engine and widened to {str(dtype).removeprefix('torch.')} where they compute; "
+          f"{len(fp8.fp8) - count} other fp8 tensors widened at load", flush=True)
 
 
 def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, *,

@@ -6,6 +6,8 @@ folder of shards) and says, from the tensors' names and shapes:
   qkv), `comfy` (the same names under a prefix, `model.diffusion_model.` when saved from a whole
   ComfyUI checkpoint; any prefix is taken), or `diffusers` (`transformer_blocks.N.attn.to_q.weight`);
   for Wan 2.1, `native` (Wan-AI's and Comfy-Org's `blocks.N.self_attn.q.weight`, any prefix) or `diffusers`;
+  for Qwen-Image, `diffusers` (ComfyUI's `qwen_image_bf16.safetensors` holds diffusers' own names under
+  `model.diffusion_model.`; diffusers has no single-file converter for it, and none is needed);
 - the family and variant (Flux dev has the guidance embedder, schnell has none; Wan by its width);
 - the diffusers config the weights fit (block counts, width, heads from the qk-norm's width, text
   and pooled widths, input channels), which `jobs.runners.convert` writes beside the converted blocks.
@@ -36,13 +38,15 @@ BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I
 MARKERS = {("flux", "bfl"): "double_blocks.0.img_attn.qkv.weight",
            ("flux", "diffusers"): "single_transformer_blocks.0.attn.to_q.weight",
            ("wan", "native"): "blocks.0.self_attn.q.weight",  # Wan-AI's and Comfy-Org's repackaged files
-           ("wan", "diffusers"): "blocks.0.attn1.to_q.weight"}
+           ("wan", "diffusers"): "blocks.0.attn1.to_q.weight",
+           # ComfyUI's qwen_image_*.safetensors hold diffusers' own names (under model.diffusion_model.)
+           ("qwen-image", "diffusers"): "transformer_blocks.0.img_mlp.net.0.proj.weight"}
 # What a refused file is, when it is not a transformer at all: (key suffix, what it is)
 NOT_A_TRANSFORMER = [("decoder.conv_in.weight", "a VAE (encoder/decoder tensors)"),
                      ("text_model.encoder.layers.0.self_attn.q_proj.weight", "a CLIP text encoder"),
                      ("encoder.block.0.layer.0.SelfAttention.q.weight", "a T5 text encoder"),
-                     ("transformer_blocks.0.img_mlp.net.0.proj.weight", "a Qwen-Image transformer (not supported "
-                                                                         "as a file yet)")]
+                     ("transformer_blocks.0.img_mlp.gate_up.weight", "a Qwen-Image 2.1 transformer (not supported "
+                                                                      "as a file yet)")]
 # A real Flux head is 128 wide; its rotary axes then split it 16 + 56 + 56.
 FLUX_ROPE = {128: [16, 56, 56]}
 
@@ -82,6 +86,13 @@ class Detected:
     def dtypes(self) -> list[str]:
         return sorted({t.dtype for t in self.tensors.values()})
 
+    @property
+    def fp8(self) -> str | None:
+        """None, "plain" (float8 weights as they are) or "scaled" (ComfyUI's, a `scale_weight` per weight)."""
+        if not any(t.dtype.startswith("F8") for t in self.tensors.values()):
+            return None
+        return "scaled" if any(k.endswith(".scale_weight") for k in self.tensors) else "plain"
+
     def names(self) -> dict[str, TensorInfo]:
         """The tensors by their names without the prefix."""
         n = len(self.prefix)
@@ -90,8 +101,9 @@ class Detected:
     def describe(self) -> str:
         c = self.config
         blocks = f"{c['num_layers']}" + (f"+{c['num_single_layers']}" if "num_single_layers" in c else "")
-        return (f"{self.family} {self.variant}, {self.layout} layout" + (f" (prefix {self.prefix!r})" if self.prefix else "")
-                + f", {blocks} blocks, width {self.width}, {'/'.join(self.dtypes)}, {self.weight_bytes / 1e9:.2f} GB")
+        return (f"{self.family}{' ' + self.variant if self.variant else ''}, {self.layout} layout" + (f" (prefix {self.prefix!r})" if self.prefix else "")
+                + f", {blocks} blocks, width {self.width}, {'/'.join(self.dtypes)}" + (f" ({self.fp8} fp8)" if self.fp8 else "")
+                + f", {self.weight_bytes / 1e9:.2f} GB")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -202,6 +214,18 @@ def _wan_config(names: dict[str, TensorInfo], layout: str, where: Path) -> dict[
             "cross_attn_norm": keys["norm"] in names, "qk_norm": "rms_norm_across_heads" if keys["qk"] in names else None}
 
 
+def _qwen_config(names: dict[str, TensorInfo], where: Path) -> dict[str, Any]:
+    """Qwen-Image's dimensions; the patch size (and so out_channels) and the rotary axes come from the base."""
+    hidden, in_channels = _shape(names, "img_in.weight", where)
+    head_dim = _shape(names, "transformer_blocks.0.attn.norm_q.weight", where)[0]
+    if head_dim <= 0 or hidden % head_dim:
+        raise CheckpointError(f"{FIELD}: {where}: width {hidden} is not a whole number of {head_dim}-wide heads")
+    _shape(names, "proj_out.weight", where)
+    return {"in_channels": in_channels, "num_layers": _count(names, "transformer_blocks"), "attention_head_dim": head_dim,
+            "num_attention_heads": hidden // head_dim, "joint_attention_dim": _shape(names, "txt_in.weight", where)[1],
+            "guidance_embeds": any(k.startswith("time_text_embed.guidance_embedder.") for k in names)}
+
+
 def _refuse_unknown(path: Path, tensors: dict[str, TensorInfo]) -> None:
     keys = list(tensors)
     for suffix, what in NOT_A_TRANSFORMER:
@@ -231,6 +255,10 @@ def detect_checkpoint(path: str | Path) -> Detected:
             width = names["patch_embedding.weight"].shape[0]
             variant = f"t2v {'14B' if width >= 5120 else '1.3B' if width == 1536 else f'width {width}'}"
             return Detected(p, files, family, layout, prefix, variant, config, width, mine, len(tensors) - len(mine))
+        if family == "qwen-image":
+            config = _qwen_config(names, p)
+            width = config["attention_head_dim"] * config["num_attention_heads"]
+            return Detected(p, files, family, layout, prefix, "", config, width, mine, len(tensors) - len(mine))
         config = _flux_config(names, layout, p)
         shown = "comfy" if layout == "bfl" and prefix else layout
         return Detected(p, files, family, shown, prefix, "dev" if config["guidance_embeds"] else "schnell", config,

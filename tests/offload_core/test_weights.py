@@ -285,3 +285,36 @@ def test_cuda_weights_are_pinned_and_bitwise(tmp_path: Path, name: str) -> None:
     handle.remove()
     ref_handle.remove()
     _same_state(model, ref)
+
+
+def test_native_fp8_weights_are_read_as_stored_with_their_scale(tmp_path: Path) -> None:
+    """A model holding fp8 weights (a ComfyUI checkpoint) built on meta: enable_offload(weights=...)
+    puts the file's fp8 bytes in the arena unchanged (not widened and quantized again with a fresh
+    scale), and the module's scale_weight widens them: the output is the widened model's, bitwise."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    w8 = {f"{i}.weight": (ref[i].weight.detach() * 37.0).to(torch.float8_e4m3fn) for i in range(3)}
+    scale = torch.tensor(1 / 37.0)
+    state = {**{k: v.detach() for k, v in ref.state_dict().items()}, **w8}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        for i in range(3):
+            ref[i].weight.copy_(w8[f"{i}.weight"].float() * scale)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]).to("meta")
+    for i in range(3):
+        model[i].weight = nn.Parameter(torch.empty(16, 16, dtype=torch.float8_e4m3fn, device="meta"))
+        model[i].register_buffer("scale_weight", scale.clone(), persistent=False)
+    handle = enable_offload(model, target_device="cpu", offload_granularity="leaf", weights=str(tmp_path / "m.safetensors"))
+    x = torch.randn(2, 16)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        native = [(u, i) for u in handle.engine.streamed for i, ts in enumerate(u.tensors) if ts.native_dtype is not None]
+        assert len(native) == 3 and all(u.tensors[i].scale == float(scale) for u, i in native)  # the file's scale
+        stored = [handle.engine.store.view(u, i) for u, i in native]
+        assert all(t.dtype == torch.float8_e4m3fn for t in stored)
+        assert {t.view(torch.uint8).numpy().tobytes() for t in stored} == {v.view(torch.uint8).numpy().tobytes() for v in w8.values()}
+    finally:
+        handle.remove()
