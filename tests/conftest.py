@@ -19,7 +19,8 @@ FIRST = ("tests/jobs/runners/test_single_file.py", "tests/jobs/runners/test_trai
          "tests/jobs/runners/test_offload_settings.py", "tests/jobs/runners/test_train_jobs.py",
          "tests/jobs/runners/test_ram_tier.py", "tests/jobs/runners/test_component_files.py",
          "tests/jobs/runners/test_hub_models.py", "tests/bench/test_bench_smoke.py",
-         "tests/offload_core/test_optimizer_offload.py", "tests/bench/test_bench_tiers.py")
+         "tests/offload_core/test_optimizer_offload.py", "tests/jobs/runners/test_fp8_transformer_files.py",
+         "tests/jobs/runners/test_fp8_shard_jobs.py", "tests/bench/test_bench_tiers.py")
 
 
 def _heavy_first(items: list[pytest.Item]) -> None:
