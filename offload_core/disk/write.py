@@ -39,6 +39,7 @@ from .errors import ShardError, ShardWriteError, one_line
 from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_FILE, PROGRESS_NAME, SCALES_VERSION,
                      SLAB_ALIGN, ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
                      safetensors_header)
+from ..weights import base_name
 from .grouping import group_checkpoint, group_model, storage_for
 from .source import SafetensorsSource, drop_page_cache, source_files, writable_buffer
 
@@ -489,12 +490,14 @@ def shard_model(
     """
     dst_p = Path(dst)
     block_lists = list(block_lists)
-    names = group_model(model, units)
+    # The index holds the checkpoint's names: a peft-wrapped model's base_layer steps left out, as
+    # bind_units and lazy_load look them up.
+    names = {uid: [base_name(n) for n in ns] for uid, ns in group_model(model, units).items()}
     entries = []
     slot_of: dict[str, Any] = {}
     for u in units:
         block = block_of(u.name, block_lists)
-        entries.append(_unit_entry(u.name, file_name(block) if block else NON_BLOCK_FILE, u, names[u.uid]))
+        entries.append(_unit_entry(base_name(u.name), file_name(block) if block else NON_BLOCK_FILE, u, names[u.uid]))
         for ts, n in zip(u.tensors, names[u.uid]):
             slot_of[n] = ts
     others: list[tuple[str, torch.dtype, list[int], torch.dtype | None]] = []
@@ -506,7 +509,7 @@ def shard_model(
                 if t is None or id(t) in seen or t.device.type == "meta" or not t.numel():
                     continue
                 seen.add(id(t))  # a tied tensor once, under its first name
-                n = f"{mname}.{attr}" if mname else attr
+                n = base_name(f"{mname}.{attr}" if mname else attr)
                 values[n] = t
                 others.append((n, t.dtype, list(t.shape), None))
     plans = _plan_files(entries, _packed_entry("<resident>", NON_BLOCK_FILE, others) if others else None)

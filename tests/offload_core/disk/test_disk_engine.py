@@ -153,6 +153,30 @@ def test_lora_training_from_shards_is_bitwise(shards: tuple) -> None:
     handle.remove()
 
 
+def test_offload_to_disk_of_a_peft_model_names_the_checkpoints_tensors_and_trains_bitwise(shards: tuple,
+                                                                                          tmp_path: Path) -> None:
+    """A LoRA-wrapped model's shards are indexed under the checkpoint's names (no base_layer step), so the
+    engine binds them back (it refused its own shards with ShardMismatchError before)."""
+    from peft import LoraConfig
+
+    _, _, base = shards
+    cfg = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    torch.manual_seed(1)
+    ref = copy.deepcopy(base)
+    ref.add_adapter(cfg)
+    model = copy.deepcopy(ref)
+    handle = enable_offload(model, target_device="cpu", offload_to_disk=True, shard_dir=str(tmp_path / "otd"),
+                            max_memory=0, offload_granularity="block")
+    names = {t.name for s in load_index(tmp_path / "otd").units.values() for t in s.tensors}
+    assert names and not any("base_layer" in n for n in names)
+    for m in (ref, model):
+        loss = m(**flux_inputs(), return_dict=False)[0].pow(2).mean()
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.equal(grads[n], p.grad) for n, p in ref.named_parameters() if p.grad is not None)
+    handle.remove()
+
+
 def test_bad_shard_dirs_are_named(shards: tuple, tmp_path: Path) -> None:
     src, dst, _ = shards
     with pytest.raises(ShardFormatError, match="index.json: missing"):
