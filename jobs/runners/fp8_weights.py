@@ -50,11 +50,12 @@ def read_fp8_folder(folder: str | Path) -> Fp8Folder | None:
     """The fp8 weights of a transformer folder and their scales (None: it holds none)."""
     from safetensors import safe_open
 
+    from jobs.runners.errors import CheckpointError
     from jobs.runners.folders import safetensors_header
 
     found = Fp8Folder({}, {})
     for f in _files(Path(folder)):
-        header = safetensors_header(f, "model.transformer", ValueError)
+        header = safetensors_header(f, "model.path", CheckpointError)  # a damaged file: setup_failed, by name
         for name, info in header.items():
             if name != "__metadata__" and info.get("dtype") in FP8_CODES:
                 found.fp8[name] = (FP8_CODES[info["dtype"]], tuple(int(s) for s in info["shape"]))
