@@ -11,17 +11,12 @@ from typing import Annotated, Any
 import typer
 
 from jobs._cli.output import print_json
+from jobs.display import fmt_bytes
 
 __all__ = ["models", "models_text_table"]
 
 COLS = ("NAME", "KIND", "FAMILY", "LAYOUT", "DTYPE", "SIZE", "CACHE")
 
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _cache(m: dict[str, Any]) -> str:
@@ -36,7 +31,7 @@ def _row(m: dict[str, Any]) -> list[str]:
     family = m.get("family") or "-"
     if m.get("variant"):
         family += f" {m['variant']}"
-    return [str(m.get("name")), kind, family, m.get("layout") or "-", m.get("dtype") or "-", _size(int(m.get("bytes") or 0)),
+    return [str(m.get("name")), kind, family, m.get("layout") or "-", m.get("dtype") or "-", fmt_bytes(m.get("bytes")),
             _cache(m) + (f" ({m['note']})" if m.get("note") else "")]
 
 

@@ -20,17 +20,12 @@ from textual.widgets.option_list import Option
 
 from jobs.errors import JobsError
 from tui.screens.actions import call_worker
+from jobs.display import fmt_bytes
 
 __all__ = ["ModelPickerScreen", "PICKABLE", "entry_label"]
 
 PICKABLE = ("model.path", "model.transformer")  # the fields a pick fills
 
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def entry_label(m: dict[str, Any]) -> Text:
@@ -40,7 +35,7 @@ def entry_label(m: dict[str, Any]) -> Text:
                                                                          else "")
     t = Text(f"{m.get('name')}", style="bold" if m.get("field") in PICKABLE else "dim")
     t.append(f"  {m.get('kind')} · {family} · {m.get('layout') or '-'} · {m.get('dtype') or '-'} · "
-             f"{_size(int(m.get('bytes') or 0))}" + (f" · {cache}" if cache else "")
+             f"{fmt_bytes(m.get('bytes'))}" + (f" · {cache}" if cache else "")
              + (f" · {m['note']}" if m.get("note") else ""), style="dim")
     return t
 
