@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import fused_widen
 from .units import Unit, UnitTensor
 
 __all__ = ["FP8_MAX", "BLOCK", "adopt_native_fp8", "widen_resident_fp8", "compute_dtype_of", "DEFAULT_SCALING", "SCALINGS", "UnitWidener", "assign_storage", "quantize", "widen",
@@ -283,15 +284,21 @@ class UnitWidener:
     are made per load, since a cached one would hold the slot's storage and keep it from reuse.
     """
 
-    def __init__(self, units: list[Unit], device: torch.device) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, fused: bool | None = None) -> None:
         nbytes = max((u.store_nbytes for u in units if u.converted), default=0)
         self.raw = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2 if nbytes else 0)]
         self._src: dict[tuple[int, int], tuple] = {}
+        # fp8 row/block units on CUDA: one Triton kernel each (fused_widen.py); None: the torch path
+        use = fused_widen.available(device) if fused is None else fused
+        self.fused = fused_widen.FusedWidener(device) if use and nbytes else None
+        self.fused_units = 0  # loads widened by the fused kernel (stats)
 
     def forget(self, uid: int) -> None:
         """uid's stored bytes or scales changed: its cached views and scales are rebuilt on next use."""
         for key in [k for k in self._src if k[0] == uid]:
             del self._src[key]
+        if self.fused is not None:
+            self.fused.forget(uid)
 
     @property
     def staging_bytes(self) -> int:
@@ -299,6 +306,8 @@ class UnitWidener:
 
     def widen(self, u: Unit, b: int, buf: torch.Tensor) -> None:
         """Fill the slot buffer ``buf`` from raw buffer ``b``: a few kernels per unit, not two per tensor."""
+        if self.fused is not None and self._widen_fused(u, b, buf):
+            return
         if u.widen_plan is not None:
             self._widen_block(u, b, buf)
             return
@@ -315,6 +324,35 @@ class UnitWidener:
         _scale([dsts[i] for i in scaled_idx], scales)
         for i, _, s in self._grouped(u, b):
             apply_scales(dsts[i], s)
+
+    def _widen_fused(self, u: Unit, b: int, buf: torch.Tensor) -> bool:
+        """One Triton kernel for the scaled fp8 tensors, then the others' bytes as they are; False
+        (nothing done) for a unit the kernel does not take."""
+        key = (u.uid, b, "fused")
+        rest = self._src.get(key)
+        if rest is None:
+            if not fused_widen.eligible(u):
+                self._src[key] = False
+                return False
+            raw = self.raw[b]
+            if u.widen_plan is not None:  # the unscaled tensors lie after the narrow ones, as one byte run
+                _, _, head, shead, _, _ = u.widen_plan
+                rest = ([], (head, shead, u.nbytes - head))
+            else:
+                rest = ([(ts.offset, ts.nbytes, raw[ts.store_offset: ts.store_offset + ts.nbytes])
+                         for ts in u.tensors if ts.store_dtype is None], None)
+            self._src[key] = rest
+        elif rest is False:
+            return False
+        self.fused.widen(u, self.raw[b], buf)
+        pieces, tail = rest
+        if tail is not None and tail[2]:
+            head, shead, n = tail
+            buf[head: head + n].copy_(self.raw[b][shead: shead + n])
+        if pieces:
+            torch._foreach_copy_([buf[o: o + n] for o, n, _ in pieces], [src for _, _, src in pieces])
+        self.fused_units += 1
+        return True
 
     def _grouped(self, u: Unit, b: int) -> list[tuple[int, int, torch.Tensor]]:
         """(tensor index, its place among the widened tensors, its row/block scales in raw buffer b):
