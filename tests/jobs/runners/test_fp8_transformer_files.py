@@ -196,7 +196,7 @@ def engine_outputs(tiny: dict[str, Path], fp8_files, tmp_path: Path, device: tor
                                   transformer_dir=folder)
         try:
             kept += sum(ts.store_dtype == FP8 for u in loaded.handle.engine.streamed for ts in u.tensors)
-            outs.append(_out("flux", loaded.model, dtype).float().cpu())
+            outs.append(_out("flux", loaded.model, dtype, device).float().cpu())
         finally:
             loaded.handle.remove()
     return outs[0], outs[1], kept

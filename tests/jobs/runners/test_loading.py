@@ -39,9 +39,10 @@ def _fuse(family: str, lora: Path):
     return _fuse_lora(get_adapter(family), lora, 0.7)
 
 
-def _out(family: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def _out(family: str, model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     inputs = _transformer_inputs(family, model)
-    inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
+              for k, v in inputs.items()}
     with torch.no_grad():
         return model(**inputs)[0]
 
