@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .peers import ours_variant
+from .peers import ours_variant, resident_variant
 from .runner import _step_fn
 from .workloads import get_workload
 
@@ -58,7 +58,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
     model = wl.build()
     inputs = wl.make_inputs(device)
-    sess = ours_variant("ours", **cfg).setup(model, wl, device)
+    if args.cap and wl.vram_cap_bytes and device.type == "cuda":  # the card the bench's own rows emulate
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, wl.vram_cap_bytes / total), device)
+    variant = resident_variant() if args.resident else ours_variant("ours", **cfg)
+    sess = variant.setup(model, wl, device)
     step = _step_fn(wl, sess, inputs)
 
     def sync() -> None:
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         step()
     sync()
-    stats0 = sess.stats()
+    stats0 = sess.stats() if not args.resident else {"h2d_bytes": 0}
+    retries0 = _allocator(device)
     walls, enqueue = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
         enqueue.append((t1 - t0) * 1e3)
-    stats1 = sess.stats()
+    stats1 = sess.stats() if not args.resident else {"h2d_bytes": 0}
+    retries1 = _allocator(device)
     out: dict[str, Any] = {
         "workload": wl.name, "config": cfg, "device": str(device),
         "wall_ms": walls, "enqueue_ms": enqueue,
@@ -87,6 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "predicted_step_ms": stats1.get("predicted_step_ms"),
         "measured_step_ms": stats1.get("measured_step_ms"),
         "plan": stats1.get("plan"),
+        # the caching allocator freeing its cache to fit (each one synchronizes the device), per step
+        "allocator_per_step": {k: (retries1[k] - retries0[k]) / args.steps for k in retries1},
     }
     units = []
     for u in stats1.get("units", []):
@@ -126,6 +134,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _allocator(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats(device)
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
+
+
 def render(out: dict[str, Any]) -> None:
     print(f"{out['workload']} {out['config']} on {out['device']}")
     print(f"  step wall {out['wall_ms_median']:.2f} ms (all: {', '.join(f'{x:.1f}' for x in out['wall_ms'])})")
@@ -133,6 +148,7 @@ def render(out: dict[str, Any]) -> None:
     print(f"  engine stall {out['stall_ms_per_step']:.2f} ms/step, H2D {out['h2d_gb_per_step']:.3f} GB/step, "
           f"predicted {out['predicted_step_ms']}, measured cycle {out['measured_step_ms']}")
     print(f"  plan {out['plan']}")
+    print(f"  allocator per step {out['allocator_per_step']}")
     for key in ("gpu_ms_by_kind", "gpu_busy_ms_by_stream"):
         if key in out:
             print(f"  {key} (per step): " + ", ".join(f"{k} {v:.2f}" for k, v in out[key].items()))
@@ -151,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="p1", help="p1, p2 or p3")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an OffloadConfig override (repeatable)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cap", action="store_true", help="under the workload's VRAM cap, as the bench's rows of ours run")
+    p.add_argument("--resident", action="store_true", help="time the resident model instead (host enqueue against ours)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default=None)
