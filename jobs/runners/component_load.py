@@ -143,12 +143,13 @@ def _module_name(k: str, want: dict[str, Any], role: str | None) -> str | None:
     return next((n for n in names if n in want), None)
 
 
-def _qwen_unread(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+def _qwen_unread(model: torch.nn.Module) -> list[str]:
     """What a Qwen2.5-VL file may leave out that the text-to-image pipeline does not need, settled:
     - `lm_head` (ComfyUI's model has none): the pipeline reads the hidden states, never the logits, so
       the head shares the token embedding's tensor (no bytes) rather than stay on the meta device;
-    - the vision tower: run only for images in the prompt (Qwen-Image-Edit), which this pipeline never
-      passes: left out of the module (a tower on the meta device could not be moved or offloaded).
+    - the vision tower, or what the file lacks of it: run only for images in the prompt (Qwen-Image-Edit),
+      which this pipeline never passes: left out of the module (a tower on the meta device could not be
+      moved or offloaded).
     Returns what was settled, for the log."""
     said = []
     head = getattr(model, "lm_head", None)
@@ -157,9 +158,11 @@ def _qwen_unread(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list
         said.append("lm_head (shares the token embedding: its logits are not used)")
     inner = getattr(model, "model", model)
     tower = getattr(inner, "visual", None)
-    if tower is not None and all(t.is_meta for t in tower.parameters()) and not any("visual." in k for k in state):
+    if tower is not None and any(t.is_meta for t in tower.parameters()):
+        some = sum(not t.is_meta for t in tower.parameters())
         inner.visual = None
-        said.append("the vision tower (for images in the prompt, which this pipeline never passes)")
+        said.append(f"the vision tower ({f'{some} of its tensors read, ' if some else ''}for images in the prompt, "
+                    "which this pipeline never passes)")
     return said
 
 
@@ -203,7 +206,7 @@ def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype,
     model.load_state_dict(named, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    settled = _qwen_unread(model, named) if found.role == "qwen_2.5_vl" else []
+    settled = _qwen_unread(model) if found.role == "qwen_2.5_vl" else []
     empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if empty:
         raise CheckpointError(f"{field}: {path} ({found.describe()}) lacks {len(empty)} tensor(s) of the base's {attr} "

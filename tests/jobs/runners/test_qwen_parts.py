@@ -50,6 +50,8 @@ def files(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
                                  root / "qwen_no_head.safetensors"),
         "te_no_tower": write_file({k: v for k, v in te.items() if not k.startswith("visual.")},
                                   root / "qwen_no_tower.safetensors"),
+        "te_part_tower": write_file({k: v for k, v in te.items() if not k.startswith("visual.merger.")},
+                                    root / "qwen_part_tower.safetensors"),
         "te_new": write_file(new_names, root / "qwen_new_names.safetensors"),
         "te_fp8": write_file(fp8(te, scaled=True), root / "qwen_2.5_vl_7b_fp8_scaled.safetensors"),
         "vae": write_file(to_wan_native_vae(vae, num_res_blocks=1), root / "qwen_image_vae.safetensors", "vae."),
@@ -97,6 +99,7 @@ def _same(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> lis
 # (file, prefix, fp8, what the loader settles that the file lacks)
 ENCODERS = [("te", "", None, []), ("te_whole", QWEN_PREFIX, None, []), ("te_new", "", None, []),
             ("te_no_head", "", None, ["lm_head"]), ("te_no_tower", "", None, ["the vision tower"]),
+            ("te_part_tower", "", None, ["the vision tower"]),
             ("te_fp8", "", "scaled", [])]
 
 
@@ -171,6 +174,18 @@ def test_a_wan_vae_fits_a_qwen_image_model_and_a_2d_vae_does_not(tiny: dict[str,
     with pytest.raises(CheckpointError) as err:
         check_parts(QWEN, tiny[QWEN], [], files["ae"])
     assert str(files["ae"]) in str(err.value) and "is a 2-D (image) VAE, a flux model's" in str(err.value)
+
+
+def test_a_missing_tensor_the_pipeline_needs_is_refused_naming_the_file_and_it(tiny: dict[str, Path],
+                                                                             files: dict[str, Path]) -> None:
+    te = component_state(tiny[QWEN] / "text_encoder")
+    path = write_file({k: v for k, v in te.items() if k != "model.layers.1.mlp.up_proj.weight"},
+                      files["root"] / "qwen_holed.safetensors", QWEN_PREFIX)
+    with pytest.raises(CheckpointError) as err:
+        load_part(path, "text_encoder", tiny[QWEN], torch.float32)
+    msg = str(err.value)
+    assert msg.startswith("model.text_encoders: ") and str(path) in msg and "lacks 1 tensor(s)" in msg
+    assert "layers.1.mlp.up_proj.weight" in msg and "\n" not in msg
 
 
 def test_an_encoder_of_another_size_is_refused_naming_the_file_and_a_tensor(tiny: dict[str, Path],
