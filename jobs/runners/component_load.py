@@ -4,12 +4,14 @@ The module is the base's own: its class from the base's model_index.json and its
 base's folder (transformers' `_from_config`, diffusers' `from_config`), built with its parameters on
 the meta device; then each tensor of the file is read on its own (safetensors' `safe_open`) and
 assigned in place of the meta one, so host RAM holds the weights once. The names are taken as the
-file has them, under any prefix (`text_model.` of older transformers' CLIP files is dropped); a
-VAE in the BFL/LDM layout (`ae.safetensors`) goes through diffusers' `convert_ldm_vae_checkpoint`,
-a Wan VAE in its native names through `convert_wan_vae_to_diffusers` (a VAE is small: whole).
+file has them, under any prefix (`text_model.` of older transformers' CLIP files is dropped; a
+Qwen2.5-VL's names in either transformers spelling, component_names); a VAE in the BFL/LDM layout
+(`ae.safetensors`) goes through diffusers' `convert_ldm_vae_checkpoint`, a Wan/Qwen-Image VAE in
+Wan's native names through component_names' renaming (a VAE is small: whole). A tensor of another
+shape than the base's (another size of the model) is refused naming it.
 
 fp8 files (`t5xxl_fp8_e4m3fn`, ComfyUI's `..._fp8_e4m3fn_scaled` with a `scale_weight` per weight):
-a T5/UMT5's block weights stay fp8 as stored, each module given its `scale_weight`; the engine's
+a T5/UMT5's block weights (a Qwen2.5-VL's decoder layers) stay fp8 as stored, each module given its `scale_weight`; the engine's
 native-fp8 storage (offload_core.quant.adopt_native_fp8) streams them as they are and widens them
 where they compute (`w8 * scale_weight` taken in fp32, rounded once to the job's dtype), on the CPU too:
 component_offload always offloads such a module. Host RAM holds the fp8 bytes, not their widening.

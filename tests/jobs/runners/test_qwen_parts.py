@@ -155,7 +155,6 @@ def test_the_native_vae_names_map_as_diffusers_own_converter_maps_the_released_w
     loader's config-driven renaming gives diffusers' names for every tensor, and the module's."""
     from diffusers import AutoencoderKLWan
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-    from component_file_helpers import to_wan_native_vae
 
     from jobs.runners.component_names import wan_vae_to_diffusers
 
