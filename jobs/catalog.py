@@ -45,7 +45,7 @@ class ModelEntry:
     kind: str  # pipeline, transformer, vae, text_encoder, lora or unknown
     family: str | None = None
     layout: str | None = None  # diffusers, bfl, comfy, native, ...
-    variant: str | None = None
+    variant: str | None = None  # a transformer's (Flux dev or schnell), a text encoder's role (t5xxl, qwen_2.5_vl, ...)
     dtype: str | None = None  # the weights' safetensors dtypes, e.g. BF16 or F8_E4M3/F32
     bytes: int = 0
     converted: bool | None = None  # a single-file transformer already converted in the model cache
@@ -180,6 +180,8 @@ def _checkpoint(path: Path, root: Path, cache: _Cache) -> ModelEntry:
     except CheckpointError as exc:
         found = identify(path)
         entry.kind, entry.family, entry.layout, entry.note = found.kind, found.family, found.layout, found.note
+        if found.kind == "text_encoder":  # which of the family's encoders: clip_l, t5xxl, umt5_xxl, qwen_2.5_vl
+            entry.variant = found.role
         if entry.kind == "unknown" and not entry.note:
             entry.note = str(exc).split(f"{path}", 1)[-1].lstrip(": ") or str(exc)
         files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))

@@ -66,9 +66,10 @@ class ModelSpec(_Strict):
                           "(text encoders, VAE, tokenizers, configs); default `path`.")
     text_encoders: Optional[list[str]] = Field(
         None, description="Text encoders as single .safetensors files, in place of the base's: Flux `clip_l` and/or "
-                          "`t5xxl`, Wan `umt5_xxl` (bf16/fp16/fp8, plain or scaled); told apart by their tensors.")
+                          "`t5xxl`, Wan `umt5_xxl`, Qwen-Image `qwen_2.5_vl_7b` (bf16/fp16/fp8, plain or scaled); told "
+                          "apart by their tensors.")
     vae: Optional[str] = Field(None, description="The VAE as a single .safetensors file (BFL/LDM, Wan native or diffusers "
-                                                 "names), in place of the base's.")
+                                                 "names; Qwen-Image's is Wan 2.1's), in place of the base's.")
     family: Optional[Family] = Field(None, description="flux, qwen-image, wan or sd3; read from model_index.json when unset.")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="Compute dtype; default bfloat16 on a GPU, float32 on the CPU.")

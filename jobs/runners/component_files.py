@@ -4,10 +4,11 @@ from its header alone (no torch).
 - text encoders: CLIP (`[text_model.]encoder.layers.N.self_attn.q_proj.weight`: Flux's `clip_l`),
   T5 (`encoder.block.N.layer.0.SelfAttention.q.weight` with a relative attention bias in block 0
   only: Flux's `t5xxl`), UMT5 (the same names with a bias in every block: Wan's `umt5_xxl`),
-  Qwen2.5-VL (`model.layers.N.self_attn.q_proj.weight` beside `visual.`: Qwen-Image's);
+  Qwen2.5-VL (`model.layers.N.self_attn.q_proj.weight` beside `visual.`, ComfyUI's and older transformers'
+  names, or `model.language_model.layers.N.` beside `model.visual.`: Qwen-Image's `qwen_2.5_vl_7b`);
 - VAEs: a 2-D KL autoencoder (Flux's `ae.safetensors`, in BFL/LDM names `encoder.down.N.block.M`
-  or diffusers' `encoder.down_blocks.N.resnets.M`) or a 3-D one (Wan's, native `encoder.conv1` /
-  `decoder.head` or diffusers' names);
+  or diffusers' `encoder.down_blocks.N.resnets.M`) or a 3-D one (Wan 2.1's, which Qwen-Image's is too:
+  native `encoder.conv1` / `decoder.head`, ComfyUI's `wan_2.1_vae` and `qwen_image_vae`, or diffusers' names);
 - LoRAs (`lora_down`/`lora_up`/`lora_A`/`lora_B` keys).
 
 Any prefix is taken (ComfyUI's whole checkpoints: `text_encoders.t5xxl.transformer.`,
@@ -24,7 +25,7 @@ from pathlib import Path
 from jobs.errors import JobsError
 from jobs.runners.errors import CheckpointError
 
-__all__ = ["Found", "identify", "ROLES", "FAMILY_ROLES", "check_parts"]
+__all__ = ["Found", "identify", "ROLES", "FAMILY_ROLES", "VAE_FAMILIES", "check_parts"]
 
 # role -> (family, what the pipeline calls it)
 ROLES = {"clip_l": ("flux", "text_encoder"), "t5xxl": ("flux", "text_encoder_2"),
@@ -81,10 +82,32 @@ def _text_encoder(header: dict[str, dict], keys: list[str]) -> Found | None:
                 "layers": len(blocks), "vocab": (emb.get("shape") or [0])[0]}
         role = "umt5_xxl" if umt5 else "t5xxl"
         return Found("text_encoder", ROLES[role][0], role, "hf", p, dims, _fp8(header, p))
-    p = _find(keys, "model.layers.0.self_attn.q_proj.weight")
-    if p is not None and any(k.startswith(p + "visual.") for k in keys):
-        return Found("text_encoder", "qwen-image", "qwen_2.5_vl", "hf", p, {}, _fp8(header, p))
+    return _qwen_vl(header, keys)
+
+
+def _qwen_vl(header: dict[str, dict], keys: list[str]) -> Found | None:
+    """Qwen2.5-VL in either spelling: ComfyUI's and transformers < 4.52's (`model.layers.N.`, `visual.`,
+    `lm_head.`) or transformers >= 4.52's (`model.language_model.layers.N.`, `model.visual.`)."""
+    for lm, tower in (("model.language_model.", "model.visual."), ("model.", "visual.")):
+        q = lm + "layers.0.self_attn.q_proj."
+        p = _find(keys, q + "weight")
+        if p is None:
+            continue
+        has_tower = any(k.startswith(p + tower) for k in keys)
+        # a Qwen2 decoder (biased q/k/v, no q_norm: not Qwen3, not Llama) without its vision tower: the
+        # text-to-image pipeline never runs the tower (component_load leaves it out)
+        qwen2 = p + q + "bias" in header and p + lm + "layers.0.self_attn.q_norm.weight" not in header
+        if not (has_tower or qwen2):
+            continue
+        emb = (header.get(p + lm + "embed_tokens.weight") or {}).get("shape") or [0, 0]
+        layers = {m.group(1) for k in keys if (m := re.match(re.escape(p + lm) + r"layers\.(\d+)\.", k))}
+        dims = {"width": emb[1], "layers": len(layers), "vocab": emb[0]}
+        note = None if has_tower else "no vision tower (the text-to-image pipeline does not use it)"
+        return Found("text_encoder", "qwen-image", "qwen_2.5_vl", "hf", p, dims, _fp8(header, p), note)
     return None
+
+
+WAN_VAE_NOTE = "Wan 2.1's 3-D VAE, also Qwen-Image's: fits wan and qwen-image models"
 
 
 def _vae(header: dict[str, dict], keys: list[str]) -> Found | None:
@@ -93,13 +116,13 @@ def _vae(header: dict[str, dict], keys: list[str]) -> Found | None:
         p = _find(keys, suffix)
         if p is not None:
             conv = header[p + suffix]["shape"]
-            if len(conv) == 5:  # diffusers' AutoencoderKLWan has up_blocks too, with 3-D convolutions
-                return Found("vae", "wan", "vae", "diffusers", p, {}, _fp8(header, p))
+            if len(conv) == 5:  # diffusers' AutoencoderKLWan (and AutoencoderKLQwenImage): 3-D convolutions
+                return Found("vae", "wan", "vae", "diffusers", p, {}, _fp8(header, p), note=WAN_VAE_NOTE)
             latent = (header.get(p + "decoder.conv_in.weight") or {}).get("shape") or [0, 0]
             return Found("vae", "flux", "vae", layout, p, {"latent_channels": latent[1]}, _fp8(header, p))
-    p = _find(keys, "decoder.head.2.weight")  # Wan-AI's WanVAE names
+    p = _find(keys, "decoder.head.2.weight")  # Wan-AI's WanVAE names, ComfyUI's wan_2.1_vae and qwen_image_vae
     if p is not None:
-        return Found("vae", "wan", "vae", "native", p, {}, _fp8(header, p))
+        return Found("vae", "wan", "vae", "native", p, {}, _fp8(header, p), note=WAN_VAE_NOTE)
     return None
 
 
@@ -127,10 +150,12 @@ def identify(path: str | Path) -> Found:
 
 
 # family -> {role: the pipeline's attribute}: the text encoder files each family takes
-READ_YET = ("clip_l", "t5xxl", "umt5_xxl")  # Qwen2.5-VL files are told apart, not loaded yet
 FAMILY_ROLES: dict[str, dict[str, str]] = {}
-for _role in READ_YET:
-    FAMILY_ROLES.setdefault(ROLES[_role][0], {})[_role] = ROLES[_role][1]
+for _role, (_family, _attr) in ROLES.items():
+    FAMILY_ROLES.setdefault(_family, {})[_role] = _attr
+# Qwen-Image's VAE is Wan 2.1's architecture (the same names and shapes; its weights were tuned further
+# for images): a 3-D VAE file fits either family, and nothing in the file tells the two apart
+VAE_FAMILIES = {"wan": ("wan", "qwen-image"), "flux": ("flux", "sd3")}
 TEXT_FIELD, VAE_FIELD = "model.text_encoders", "model.vae"
 
 
@@ -171,9 +196,9 @@ def check_parts(family: str, base: Path | str, text_encoders: list[Path], vae: P
         found = identify(vae)
         if found.kind != "vae":
             raise _not_a(vae, "VAE", VAE_FIELD)
-        if found.family != family and not (family == "sd3" and found.family == "flux"):
-            dims = "3-D (video)" if found.family == "wan" else "2-D (image)"
-            raise CheckpointError(f"{VAE_FIELD}: {vae} is a {dims} VAE, a {found.family} model's; {base} is a {family} "
-                                  "model")
+        if family not in VAE_FAMILIES.get(found.family or "", (found.family,)):
+            dims, whose = ("3-D (video)", "a wan or qwen-image") if found.family == "wan" else ("2-D (image)",
+                                                                                             f"a {found.family}")
+            raise CheckpointError(f"{VAE_FIELD}: {vae} is a {dims} VAE, {whose} model's; {base} is a {family} model")
         parts["vae"] = vae
     return parts

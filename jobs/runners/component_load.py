@@ -4,12 +4,14 @@ The module is the base's own: its class from the base's model_index.json and its
 base's folder (transformers' `_from_config`, diffusers' `from_config`), built with its parameters on
 the meta device; then each tensor of the file is read on its own (safetensors' `safe_open`) and
 assigned in place of the meta one, so host RAM holds the weights once. The names are taken as the
-file has them, under any prefix (`text_model.` of older transformers' CLIP files is dropped); a
-VAE in the BFL/LDM layout (`ae.safetensors`) goes through diffusers' `convert_ldm_vae_checkpoint`,
-a Wan VAE in its native names through `convert_wan_vae_to_diffusers` (a VAE is small: whole).
+file has them, under any prefix (`text_model.` of older transformers' CLIP files is dropped; a
+Qwen2.5-VL's names in either transformers spelling, component_names); a VAE in the BFL/LDM layout
+(`ae.safetensors`) goes through diffusers' `convert_ldm_vae_checkpoint`, a Wan/Qwen-Image VAE in
+Wan's native names through component_names' renaming (a VAE is small: whole). A tensor of another
+shape than the base's (another size of the model) is refused naming it.
 
 fp8 files (`t5xxl_fp8_e4m3fn`, ComfyUI's `..._fp8_e4m3fn_scaled` with a `scale_weight` per weight):
-a T5/UMT5's block weights stay fp8 as stored, each module given its `scale_weight`; the engine's
+a T5/UMT5's block weights (a Qwen2.5-VL's decoder layers) stay fp8 as stored, each module given its `scale_weight`; the engine's
 native-fp8 storage (offload_core.quant.adopt_native_fp8) streams them as they are and widens them
 where they compute (`w8 * scale_weight` taken in fp32, rounded once to the job's dtype), on the CPU too:
 component_offload always offloads such a module. Host RAM holds the fp8 bytes, not their widening.
@@ -30,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from jobs.runners.component_files import Found, identify
+from jobs.runners.component_names import QWEN_BLOCK_RE, qwen_spellings, wan_vae_to_diffusers
 from jobs.runners.errors import CheckpointError
 
 __all__ = ["load_part", "load_parts", "part_fingerprint", "widen_fp8", "holds_fp8"]
@@ -44,11 +47,13 @@ def _field(attr: str) -> str:
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# an encoder's block lists: the units the engine streams, so fp8 weights there stay fp8 (the rest is widened)
-BLOCK_RE = re.compile(r"^encoder\.block\.\d+\.")
-# the encoders whose fp8 files keep their block weights fp8: T5's and UMT5's (gigabytes). CLIP's read
-# their position table's size from the weight before it runs, which the engine's placeholder hides
-STREAMED_ROLES = ("t5xxl", "umt5_xxl")
+# an encoder's block lists, as the file names them: the units the engine streams, so fp8 weights there
+# stay fp8 (the rest is widened)
+BLOCK_RE = {"t5xxl": re.compile(r"^encoder\.block\.\d+\."), "umt5_xxl": re.compile(r"^encoder\.block\.\d+\."),
+            "qwen_2.5_vl": QWEN_BLOCK_RE}
+# the encoders whose fp8 files keep their block weights fp8: T5's, UMT5's and Qwen2.5-VL's (gigabytes).
+# CLIP's read their position table's size from the weight before it runs, which the engine's placeholder hides
+STREAMED_ROLES = tuple(BLOCK_RE)
 
 
 def widen_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -129,8 +134,38 @@ def _vae_state(found: Found, state: dict[str, torch.Tensor], model: torch.nn.Mod
     if found.layout == "bfl":
         return sfu.convert_ldm_vae_checkpoint(state, dict(model.config))
     if found.layout == "native":
-        return sfu.convert_wan_vae_to_diffusers(state)
+        return wan_vae_to_diffusers(state, dict(model.config))
     return state
+
+
+def _module_name(k: str, want: dict[str, Any], role: str | None) -> str | None:
+    """The module's name for the file's tensor `k`, or None: as written, without older transformers'
+    `text_model.` (CLIP), or a Qwen2.5-VL name in the other transformers spelling."""
+    names = qwen_spellings(k) if role == "qwen_2.5_vl" else (k, k.removeprefix("text_model."))
+    return next((n for n in names if n in want), None)
+
+
+def _qwen_unread(model: torch.nn.Module) -> list[str]:
+    """What a Qwen2.5-VL file may leave out that the text-to-image pipeline does not need, settled:
+    - `lm_head` (ComfyUI's model has none): the pipeline reads the hidden states, never the logits, so
+      the head shares the token embedding's tensor (no bytes) rather than stay on the meta device;
+    - the vision tower, or what the file lacks of it: run only for images in the prompt (Qwen-Image-Edit),
+      which this pipeline never passes: left out of the module (a tower on the meta device could not be
+      moved or offloaded).
+    Returns what was settled, for the log."""
+    said = []
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.weight.is_meta:
+        head.weight = model.get_input_embeddings().weight
+        said.append("lm_head (shares the token embedding: its logits are not used)")
+    inner = getattr(model, "model", model)
+    tower = getattr(inner, "visual", None)
+    if tower is not None and any(t.is_meta for t in tower.parameters()):
+        some = sum(not t.is_meta for t in tower.parameters())
+        inner.visual = None
+        said.append(f"the vision tower ({f'{some} of its tensors read, ' if some else ''}for images in the prompt, "
+                    "which this pipeline never passes)")
+    return said
 
 
 def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype,
@@ -144,41 +179,49 @@ def load_part(path: Path, attr: str, model_dir: Path, dtype: torch.dtype,
     model, cls, lib = _build(model_dir, attr, dtype)
     state = _read(path, found.prefix, field)
     streams = keep_fp8 and found.role in STREAMED_ROLES
-    keep = (lambda k: bool(BLOCK_RE.match(k))) if streams else (lambda k: False)
+    keep = (lambda k: bool(BLOCK_RE[found.role].match(k))) if streams else (lambda k: False)
     state, kept, fp8 = widen_fp8(state, dtype, keep)
     if found.kind == "vae":
         state = _vae_state(found, state, model)
     want = model.state_dict()
     keep_fp32 = _fp32_names(cls, lib, dtype)
     named: dict[str, torch.Tensor] = {}
-    unknown = []
-    for k, t in state.items():
-        name = k if k in want else k.removeprefix("text_model.") if k.removeprefix("text_model.") in want else None
+    unknown, misfit, names = [], [], {}
+    for k in list(state):
+        t = state.pop(k)  # one tensor at a time: the file's dict lets go of what the module takes
+        name = _module_name(k, want, found.role)
         if name is None:
             if not k.endswith(_EXTRA):
                 unknown.append(k)
             continue
+        if tuple(t.shape) != tuple(want[name].shape):
+            misfit.append(f"{k} {list(t.shape)} (the base's {list(want[name].shape)})")
+            continue
         target = torch.float32 if any(m in name.split(".") for m in keep_fp32) else dtype
-        named[name] = t.to(target) if t.is_floating_point() and t.dtype not in FP8 else t
+        named[name], names[k] = (t.to(target) if t.is_floating_point() and t.dtype not in FP8 else t), name
     if unknown:
         raise CheckpointError(f"{field}: {path} ({found.describe()}) holds {len(unknown)} tensor(s) the base's {attr} "
                               f"({cls.__name__}) has not: {', '.join(sorted(unknown)[:3])}")
+    if misfit:  # another size of the model (a 3B encoder for a 7B base, Wan 2.2's VAE for 2.1's)
+        raise CheckpointError(f"{field}: {path} ({found.describe()}) is another size than the base's {attr} "
+                              f"({cls.__name__}): {len(misfit)} tensor(s) differ, {', '.join(misfit[:2])}")
     model.load_state_dict(named, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    settled = _qwen_unread(model) if found.role == "qwen_2.5_vl" else []
     empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if empty:
         raise CheckpointError(f"{field}: {path} ({found.describe()}) lacks {len(empty)} tensor(s) of the base's {attr} "
                               f"({cls.__name__}): {', '.join(empty[:3])}")
     for k, scale in kept.items():  # what the engine's adopt_native_fp8 reads: one scale per module
-        name = k if k in want else k.removeprefix("text_model.")
+        name = names[k]
         model.get_submodule(name.rsplit(".", 1)[0]).register_buffer("scale_weight", scale)
     model.requires_grad_(False).eval()
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return model, {"part": attr, "file": str(path), "role": found.role or "vae", "layout": found.layout,
                    "fp8": found.fp8, "fp8_params": fp8, "fp8_kept": sum(named[k].numel() for k in named
                                                                        if named[k].dtype in FP8),
-                   "held_bytes": held}
+                   "held_bytes": held, "left_out": settled}
 
 
 def load_parts(parts: dict[str, Path], model_dir: Path, dtype: torch.dtype) -> tuple[dict[str, torch.nn.Module],

@@ -288,6 +288,8 @@ def load_pipeline_parts(model_dir: str | Path, family: FamilyAdapter, dtype: tor
                 how = (f", fp8 ({info['fp8']}): {info['fp8_kept']:,} of {info['fp8_params']:,} fp8 weights kept as "
                        f"stored, streamed by the engine and widened to {to} where they compute, the rest widened at "
                        f"load; {held} held")
+            if info.get("left_out"):
+                how += "; not in the file, not needed: " + ", ".join(info["left_out"])
             print(f"[offload-jobs] {info['part']}: {info['file']} ({info['role']}, {info['layout']} names{how})",
                   flush=True)
         skip.update(modules)

@@ -80,3 +80,44 @@ def widened(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.
     scales = {k.removesuffix("scale_weight") + "weight": sd.pop(k) for k in [k for k in sd if k.endswith(".scale_weight")]}
     return {k: ((v.float() * scales[k].float()).to(dtype) if k in scales else v.to(dtype))
             if v.dtype == torch.float8_e4m3fn else v for k, v in sd.items()}
+
+
+QWEN_PREFIX = "text_encoders.qwen25_7b.transformer."  # a whole ComfyUI checkpoint's Qwen2.5-VL
+_WAN_RESIDUAL = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
+                 "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+
+
+def _wan_residual(rest: str) -> str:
+    for a, b in _WAN_RESIDUAL.items():
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    return rest
+
+
+def to_wan_native_vae(sd: dict[str, torch.Tensor], num_res_blocks: int) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKLWan / AutoencoderKLQwenImage state dict in Wan-AI's native names (ComfyUI's
+    `wan_2.1_vae` / `qwen_image_vae`): the INVERSE of the loader's renaming, written from Wan's module
+    layout (its decoder's `upsamples` list: per level num_res_blocks + 1 residual blocks, then a resample)."""
+    per = num_res_blocks + 1
+    out = {}
+    for k, v in sd.items():
+        part, _, rest = k.partition(".")
+        n = {"quant_conv": "conv1", "post_quant_conv": "conv2"}.get(part, part) + "." + rest
+        if part in ("encoder", "decoder"):
+            for a, b in (("conv_in.", "conv1."), ("norm_out.", "head.0."), ("conv_out.", "head.2.")):
+                if rest.startswith(a):
+                    rest = b + rest[len(a):]
+            if m := re.match(r"mid_block\.resnets\.(\d+)\.(.*)", rest):
+                rest = f"middle.{2 * int(m.group(1))}.{_wan_residual(m.group(2))}"
+            elif rest.startswith("mid_block.attentions.0."):
+                rest = "middle.1." + rest[len("mid_block.attentions.0."):]
+            elif m := re.match(r"down_blocks\.(\d+)\.(.*)", rest):
+                rest = f"downsamples.{m.group(1)}.{_wan_residual(m.group(2))}"
+            elif m := re.match(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):
+                rest = f"upsamples.{int(m.group(1)) * (per + 1) + int(m.group(2))}.{_wan_residual(m.group(3))}"
+            elif m := re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", rest):
+                rest = f"upsamples.{int(m.group(1)) * (per + 1) + per}.{m.group(2)}"
+            n = f"{part}.{rest}"
+        assert n not in out, n
+        out[n] = v
+    return out

@@ -97,7 +97,7 @@ def test_a_hub_base_fetches_only_the_configs_of_the_parts_given_as_files(files: 
     from jobs.runners.inputs import _given_as_files
 
     assert FAMILY_ROLES == {"flux": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"},
-                            "wan": {"umt5_xxl": "text_encoder"}}
+                            "wan": {"umt5_xxl": "text_encoder"}, "qwen-image": {"qwen_2.5_vl": "text_encoder"}}
     assert _given_as_files([str(files["clip_l"]), str(files["t5xxl_fp8"])], str(files["ae"])) == (
         "text_encoder", "text_encoder_2", "vae")
     assert _given_as_files([str(files["umt5_xxl_scaled"])], None) == ("text_encoder",)
@@ -183,7 +183,7 @@ def test_a_file_that_does_not_fit_is_refused_at_submit_naming_it(worker, tiny: d
         ([files["clip_l"], files["clip_l"]], None, "model.text_encoders", "are both clip_l text encoders"),
         ([], files["flux_transformer"], "model.vae", "is a flux transformer (bfl layout), not a VAE"),
         ([], files["clip_l"], "model.vae", "not a VAE"),
-        ([], files["wan_vae"], "model.vae", "is a 3-D (video) VAE, a wan model's"),
+        ([], files["wan_vae"], "model.vae", "is a 3-D (video) VAE, a wan or qwen-image model's"),
     ]
     with worker.client() as c:
         for encoders, vae, field, words in cases:
