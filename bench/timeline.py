@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = wl.build()
     inputs = wl.make_inputs(device)
     if args.cap and wl.vram_cap_bytes and device.type == "cuda":  # the card the bench's own rows emulate
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, wl.vram_cap_bytes / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, wl.vram_cap_bytes / total), index)
     variant = resident_variant() if args.resident else ours_variant("ours", **cfg)
     sess = variant.setup(model, wl, device)
     step = _step_fn(wl, sess, inputs)
