@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     wl = get_workload(args.workload, args.tiny)
     cfg = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # its backward is broken for Flux-width bf16 (torch #196678)
     model = wl.build()
     inputs = wl.make_inputs(device)
     if args.cap and wl.vram_cap_bytes and device.type == "cuda":  # the card the bench's own rows emulate
