@@ -35,6 +35,7 @@ and are widened only on the device, to the model's compute dtype (``compute_dtyp
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -344,7 +345,13 @@ class UnitWidener:
             self._src[key] = rest
         elif rest is False:
             return False
-        self.fused.widen(u, self.raw[b], buf)
+        try:
+            self.fused.widen(u, self.raw[b], buf)
+        except Exception as e:  # a Triton that cannot build or launch it (an old one, an odd card): the torch path
+            warnings.warn(f"fp8 widening: the fused kernel failed ({type(e).__name__}: {e}); widening with torch "
+                          "from now on", RuntimeWarning, stacklevel=2)
+            self.fused = None
+            return False
         pieces, tail = rest
         if tail is not None and tail[2]:
             head, shead, n = tail
