@@ -242,10 +242,7 @@ def _fp8_folder(folder: Path, model: torch.nn.Module, dtype: torch.dtype, meta: 
     if found is None:
         return None
     if meta and offload.lazy_load and found.scales:
-        from jobs.runners.errors import SetupError
-
-        raise SetupError(f"model.transformer: {folder} holds scaled fp8 weights, which stream from RAM only for now; "
-                         "set offload.lazy_load: false")
+        _check_shard_scales(folder, found.scales, offload.shard_dir)
     if not meta:
         n = apply_scales(model, found)
         print(f"[offload-jobs] transformer: {len(found.fp8)} fp8 tensors widened to "
@@ -253,6 +250,21 @@ def _fp8_folder(folder: Path, model: torch.nn.Module, dtype: torch.dtype, meta: 
               flush=True)
         return None
     return None if offload.lazy_load else found  # the disk tier's shards hold them widened
+
+
+def _check_shard_scales(folder: Path, scales: dict[str, torch.Tensor], shard_dir: str | None) -> None:
+    """Shards of a scaled fp8 folder stream right only if their writer read each weight's scale_weight
+    (offload_core.disk.write keeps it as the fp8 tensor's scale, or applies it when widening, and says
+    so in the index): shards written before that hold the bare fp8 values, off by their scales."""
+    from offload_core.disk.format import load_index
+
+    from jobs.runners.errors import SetupError
+
+    if shard_dir is None:
+        return
+    if not load_index(shard_dir).meta.get("native_fp8_scales"):
+        raise SetupError(f"offload.shard_dir: {shard_dir} was written without the scale_weight of {folder}'s "
+                         f"{len(scales)} scaled fp8 weights (by an older offload-jobs): shard it again")
 
 
 def _keep_fp8(model: torch.nn.Module, fp8: Any, folder: Path, dtype: torch.dtype, *, fusing: bool) -> None:

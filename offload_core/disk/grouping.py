@@ -60,6 +60,18 @@ def storage_for(dtype: torch.dtype, shape: list[int], is_param: bool, target: to
     return target
 
 
+def native_fp8_compute(tensors: dict[str, SourceTensor]) -> torch.dtype | None:
+    """The dtype a checkpoint holding fp8 weights computes in: that of most of its other floating
+    bytes (as quant.compute_dtype_of reads a live model); None without fp8 tensors, bf16 with nothing else."""
+    if not any(t.dtype is torch.float8_e4m3fn for t in tensors.values()):
+        return None
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.dtype.is_floating_point and t.dtype is not torch.float8_e4m3fn:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.nbytes
+    return max(counts, key=counts.__getitem__) if counts else torch.bfloat16
+
+
 def skeleton(tensors: dict[str, SourceTensor]) -> nn.Module:
     """Empty meta-device modules shaped after the tensor names (in natural order); digit children
     make ModuleLists. A model's own order may differ inside a unit: ``bind_units`` takes the index's."""
@@ -144,6 +156,7 @@ def group_checkpoint(tensors: dict[str, SourceTensor], granularity: Granularity,
     if resolved is Granularity.AUTO:
         resolved = Granularity.BLOCK if plan.block_lists else Granularity.LEAF
     out = Grouping([], {}, [], plan.block_lists, resolved.value, kind, model_class)
+    compute = native_fp8_compute(tensors)
     in_unit: set[str] = set()
     for u in plan.units:
         tnames = [names[(id(ts.module), ts.attr)] for ts in u.tensors]
@@ -151,6 +164,12 @@ def group_checkpoint(tensors: dict[str, SourceTensor], granularity: Granularity,
             continue  # e.g. a non-persistent buffer: its checkpoint tensors go to `resident`
         for ts, n in zip(u.tensors, tnames):
             ts.dtype = tensors[n].dtype  # laid out for the checkpoint's dtype: the one the model computes in
+            if ts.dtype is torch.float8_e4m3fn and compute is not None:
+                # fp8 in the file (ComfyUI's fp8 checkpoints): it computes in the file's other dtype, and is
+                # kept as stored (its scale, if any, one a tensor in the index) unless another dtype is asked for
+                store = torch.float8_e4m3fn if target is None or target is torch.float8_e4m3fn else target
+                ts.dtype, ts.store_dtype = compute, (None if store == compute else store)
+                continue
             ts.store_dtype = storage_for(ts.dtype, list(ts.shape), ts.is_param, target)
             if ts.store_dtype is torch.float8_e4m3fn:
                 ts.scale_shape = scale_shape(ts.shape, fp8_scaling)

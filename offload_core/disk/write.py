@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..config import Granularity
-from ..quant import SCALINGS, quantize
+from ..quant import SCALINGS, quantize, widen
 from ..units import Unit
 from . import checksum
 from .errors import ShardError, ShardWriteError, one_line
@@ -40,7 +40,7 @@ from .format import (FILE_ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, NON_BLOCK_F
                      SLAB_ALIGN, ShardIndex, SlabEntry, TensorEntry, align, block_of, dtype_name, file_name, read_json,
                      safetensors_header)
 from ..weights import base_name
-from .grouping import group_checkpoint, group_model, storage_for
+from .grouping import group_checkpoint, group_model, native_fp8_compute, storage_for
 from .source import SafetensorsSource, drop_page_cache, source_files, writable_buffer
 
 __all__ = ["shard_checkpoint", "shard_model", "parse_dtype", "free_host_copies"]
@@ -423,15 +423,19 @@ def shard_checkpoint(
     try:
         if not source.tensors:
             raise ShardError(f"{files[0]}: holds no tensors")
-        grouping = group_checkpoint(source.tensors, g, target, config_path, scaling or "tensor")
+        native = _native_fp8_scales(source)  # ComfyUI's scaled fp8: into the index, as the tensors' scales
+        grouping = group_checkpoint({n: t for n, t in source.tensors.items() if n not in native.aside},
+                                    g, target, config_path, scaling or "tensor")
         entries = []
         for u in grouping.units:
             block = block_of(u.name, grouping.block_lists)
             entries.append(_unit_entry(u.name, file_name(block) if block else NON_BLOCK_FILE, u, grouping.names[u.uid]))
         # Resident tensors (tied, or outside any whole unit) never go fp8: the engine keeps them in their dtype.
+        compute = native_fp8_compute(source.tensors)  # fp8 resident tensors are widened: nothing scales them later
         resident = _packed_entry("<resident>", NON_BLOCK_FILE, [
-            (n, source.tensors[n].dtype, source.tensors[n].shape,
-             storage_for(source.tensors[n].dtype, source.tensors[n].shape, False, target))
+            (n, compute, source.tensors[n].shape, None) if source.tensors[n].dtype is torch.float8_e4m3fn and compute
+            else (n, source.tensors[n].dtype, source.tensors[n].shape,
+                  storage_for(source.tensors[n].dtype, source.tensors[n].shape, False, target))
             for n in grouping.resident])
         plans = _plan_files(entries, resident)
         _prepare_dst(dst_p, src_p, [p.name for p in plans], overwrite)
@@ -444,10 +448,12 @@ def shard_checkpoint(
         }
 
         def produce(t: TensorEntry, out: torch.Tensor, scale_out: torch.Tensor | None) -> float | None:
-            if t.source_dtype is None:
+            if source.tensors[t.name].dtype == t.dtype:
                 source.read_into(t.name, out)
-                return None
+                return native.scales.get(t.name)  # an fp8 weight as stored: its file's scale, if any
             x = source.read(t.name)
+            if t.name in native.scales:  # widened with its scale, as the engine widens it from RAM
+                x = widen(x, native.scales[t.name], t.dtype)
             _, scale = quantize(x, t.dtype, out=out, scaling=t.scaling or "tensor", scale_out=scale_out)
             return scale if isinstance(scale, float) else None
 
@@ -456,7 +462,10 @@ def shard_checkpoint(
     finally:
         source.close()
     meta = {"source": fingerprint["source"], "dtype": fingerprint["dtype"], "granularity": grouping.granularity,
-            "grouping": grouping.kind, "model_class": grouping.model_class, "block_lists": grouping.block_lists}
+            "grouping": grouping.kind, "model_class": grouping.model_class, "block_lists": grouping.block_lists,
+            # how many scaled fp8 weights had their scale_weight kept (as stored) or applied (widened): a loader
+            # of a scaled fp8 folder refuses shards without it (written before the scales were read)
+            **({"native_fp8_scales": len(native.scales)} if native.scales else {})}
     index = _finish(dst_p, meta, plans)
     if verify:
         from .verify import verify_shards
@@ -464,6 +473,33 @@ def shard_checkpoint(
         verify_shards(dst_p)
     return {"index": str(index.path), "units": len(index.units), "files": len(plans), "tensors": len(source.tensors),
             "bytes": sum(p.nbytes for p in plans), **counts, "seconds": round(time.monotonic() - t0, 3)}
+
+
+@dataclass
+class _NativeScales:
+    scales: dict[str, float]  # fp8 weight name -> its scale_weight
+    aside: set[str]  # tensors that are not the model's: the scales, scale_input, the scaled_fp8 marker
+
+
+def _native_fp8_scales(source: SafetensorsSource) -> _NativeScales:
+    """ComfyUI's scaled fp8 checkpoints hold ``X.scale_weight`` (one fp32) beside each fp8 ``X.weight``
+    (the value is their product), ``X.scale_input`` (for fp8 matmuls, which widening does not do) and
+    a ``scaled_fp8`` marker. The scale goes into the index as the weight's per-tensor fp8 scale (what
+    the engine widens with: quant.adopt_native_fp8 reads the same number off the module); without
+    it the shards would stream the bare fp8 bytes, off by that factor."""
+    out = _NativeScales({}, set())
+    for name, t in source.tensors.items():
+        if name.endswith(".scale_weight"):
+            weight = source.tensors.get(name.removesuffix(".scale_weight") + ".weight")
+            if weight is None or weight.dtype is not torch.float8_e4m3fn or t.numel != 1:
+                continue  # not ComfyUI's per-tensor scale: the model's own tensor, sharded as such
+            out.scales[weight.name] = float(source.read(name).float().reshape(()))
+            out.aside.add(name)
+    for name, t in source.tensors.items():
+        if (name.endswith(".scale_input") and name.removesuffix(".scale_input") + ".weight" in out.scales) or (
+                name == "scaled_fp8" and out.scales):
+            out.aside.add(name)
+    return out
 
 
 # ------------------------------------------------------------------ from a model in RAM (offload_to_disk)

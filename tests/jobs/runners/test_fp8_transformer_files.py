@@ -219,3 +219,64 @@ def test_a_lora_to_fuse_into_fp8_weights_is_refused_by_name(tiny: dict[str, Path
         load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"),
                          offload={"offload_granularity": "block"}, transformer_dir=got.path, with_weights=lambda m: None)
     assert str(err.value).startswith("infer.lora: ") and str(got.path) in str(err.value) and "\n" not in str(err.value)
+
+
+def _shard_outputs(tiny: dict[str, Path], fp8_files, tmp_path: Path, dtype: str | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The scaled file converted and sharded (as `offload-jobs shard` does), lazy-loaded on the engine,
+    against the widened folder's weights on the engine: their outputs, and the shards' index."""
+    from test_loading import _out
+
+    from jobs.runners.convert import shard_source
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+    from offload_core.shard import shard_checkpoint
+
+    f, ref = fp8_files["scaled"]
+    src = shard_source(f, tiny["flux"], tmp_path / "cache")
+    shards = tmp_path / "shards"
+    shard_checkpoint(str(src), str(shards), dtype=dtype, progress=False)
+    outs = []
+    for folder, off in ((src, {"lazy_load": True, "shard_dir": str(shards)}), (ref / "transformer", {})):
+        loaded = load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"),
+                                  offload={"offload_granularity": "block", **off}, transformer_dir=folder)
+        try:
+            outs.append(_out("flux", loaded.model, torch.float32))
+        finally:
+            loaded.handle.remove()
+    return outs[0], outs[1], json.loads((shards / "index.json").read_text())
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_shards_of_a_scaled_file_keep_its_scales(tiny: dict[str, Path], fp8_files, tmp_path: Path,
+                                                 dtype: str | None) -> None:
+    """Sharded as stored, each fp8 weight keeps its scale_weight as its fp8 scale; sharded widened, the
+    scale is applied: either way lazy_load computes the widened folder's output bitwise (the shards
+    held the bare fp8 values before: off by their scales)."""
+    got, want, index = _shard_outputs(tiny, fp8_files, tmp_path, dtype)
+    tensors = {n: t for u in index["units"].values() for n, t in u["tensors"].items()}
+    fp8 = [t for t in tensors.values() if t["dtype"] == "float8_e4m3fn"]
+    if dtype is None:
+        assert len(fp8) == 40 and all(isinstance(t.get("scale"), float) for t in fp8)
+    else:
+        assert not fp8
+    assert not any("scale_weight" in n or "scale_input" in n for n in tensors)
+    assert index["native_fp8_scales"] == 40
+    assert torch.equal(got, want)
+
+
+def test_shards_written_without_the_scales_are_refused_by_name(tiny: dict[str, Path], fp8_files, tmp_path: Path) -> None:
+    from jobs.runners.convert import shard_source
+    from jobs.runners.errors import SetupError
+    from jobs.runners.families import get_adapter
+    from jobs.runners.load import load_transformer
+
+    _shard_outputs(tiny, fp8_files, tmp_path, None)
+    index = tmp_path / "shards" / "index.json"
+    data = json.loads(index.read_text())
+    del data["native_fp8_scales"]  # as an older writer left it
+    index.write_text(json.dumps(data))
+    src = shard_source(fp8_files["scaled"][0], tiny["flux"], tmp_path / "cache")
+    with pytest.raises(SetupError, match=r"offload.shard_dir: .*shards was written without the scale_weight .*shard it again"):
+        load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"),
+                         offload={"offload_granularity": "block", "lazy_load": True, "shard_dir": str(tmp_path / "shards")},
+                         transformer_dir=src)
