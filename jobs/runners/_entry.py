@@ -58,7 +58,10 @@ def imports_without_gc() -> Iterator[None]:
 
 
 def import_family(family: str) -> None:
-    """Import what a job of this family runs on: the libraries, quieted, and its diffusers classes."""
+    """Import what a job of this family runs on: the libraries, quieted, its diffusers classes, the engine."""
+    import offload_core  # noqa: F401
+    import offload_core.disk  # noqa: F401
+
     from jobs.runners.families import get_adapter
     from jobs.runners.telemetry import quiet_libraries
 
