@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV, BatchDir
-from jobs.runners._entry import load_job
+from jobs.runners._entry import import_family, imports_without_gc, load_job
 from jobs.runners.errors import reporting_failures
 
 
@@ -33,17 +33,19 @@ def main() -> None:
             import psutil
 
             BatchDir(os.environ[BATCH_DIR_ENV]).write_leader(os.getpid(), psutil.Process().create_time())  # first
-            from jobs.runners.cosched import lead
+            with imports_without_gc():
+                from jobs.runners.cosched import lead
 
-            quiet_libraries()
+                quiet_libraries()
             lead(spec, run_dir)
             return
         from jobs.runners.inputs import check_infer
 
         checked = check_infer(spec, run_dir.parent.parent)  # bad input fails here, before torch is imported
-        from jobs.runners.infer import infer
+        with imports_without_gc():
+            from jobs.runners.infer import infer
 
-        quiet_libraries()
+            import_family(checked.family)
         infer(spec, run_dir, checked)
 
     reporting_failures(work)

@@ -6,17 +6,18 @@ import time
 from pathlib import Path
 
 from jobs.contract import Metric, Reason, StepMetrics
-from jobs.runners._entry import fail, load_job, write_metrics
+from jobs.runners._entry import fail, imports_without_gc, load_job, write_metrics
 
 
 def main() -> None:
     spec, run_dir = load_job()
-    from offload_core.errors import OffloadError
-    from offload_core.shard import shard_checkpoint
+    with imports_without_gc():
+        from offload_core.errors import OffloadError
+        from offload_core.shard import shard_checkpoint
 
-    from jobs.home import model_cache
-    from jobs.runners.convert import shard_source
-    from jobs.runners.errors import RunnerInputError
+        from jobs.home import model_cache
+        from jobs.runners.convert import shard_source
+        from jobs.runners.errors import RunnerInputError
 
     print(f"sharding {spec.shard.src} -> {spec.shard.dst}" + (f" as {spec.shard.dtype}" if spec.shard.dtype else ""), flush=True)
     t0 = time.monotonic()

@@ -7,7 +7,7 @@ step); out of memory -> cuda_oom / host_oom. Bugs still raise with their traceba
 
 from __future__ import annotations
 
-from jobs.runners._entry import load_job
+from jobs.runners._entry import import_family, imports_without_gc, load_job
 from jobs.runners.errors import reporting_failures
 
 
@@ -18,10 +18,12 @@ def main() -> None:
         from jobs.runners.inputs import check_train
 
         checked = check_train(spec)  # bad input fails here, before torch is imported
-        from jobs.runners.train import train
-        from jobs.runners.telemetry import quiet_libraries
+        with imports_without_gc():
+            import peft  # noqa: F401  (the LoRA)
 
-        quiet_libraries()
+            from jobs.runners.train import train
+
+            import_family(checked.family)
         train(spec, run_dir, checked)
 
     reporting_failures(work)

@@ -22,12 +22,23 @@ def load_builder():
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{'flux': ..., 'qwen-image': ..., 'wan': ..., 'images': ..., 'clips': ...} under one temp dir."""
+def tiny(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Path]:
+    """{'flux': ..., 'qwen-image': ..., 'wan': ..., 'images': ..., 'clips': ...} under one temp dir.
+
+    Under xdist the workers share one build (about 6 s of CPU each otherwise): the first builds it
+    under a lock, the others wait and read it. No test writes into it.
+    """
+    import fcntl
     import warnings
 
     warnings.filterwarnings("ignore")
-    return load_builder().build_all(tmp_path_factory.mktemp("tiny"))
+    if worker_id == "master":
+        return load_builder().build_all(tmp_path_factory.mktemp("tiny"))
+    root = tmp_path_factory.getbasetemp().parent / "tiny"  # this run's, beside the workers' own temp dirs
+    root.mkdir(exist_ok=True)
+    with open(root.parent / "tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return load_builder().build_all(root)  # builds what is missing; a finished build is left as it is
 
 
 @pytest.fixture(autouse=True)
