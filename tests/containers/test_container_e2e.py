@@ -275,7 +275,16 @@ def test_port_on_loopback_only_and_worker_not_root(stack: Stack) -> None:
     assert [port for addr, port in inside["listening"] if addr != "127.0.0.11"] == [8765], inside["listening"]
     workers = [cmd for uid, cmd in inside["procs"].values() if "offload-jobs worker" in cmd]
     assert workers, inside["procs"]
-    assert all(uid == UID for uid, _ in inside["procs"].values()), inside["procs"]  # nothing runs as root
+    # nothing runs as root. A process Docker is starting in the container (a health check's exec, before it
+    # drops to the image's user) can show uid 0 for an instant: only one seen in three reads counts
+    offenders = {pid: p for pid, p in inside["procs"].items() if p[0] != UID}
+    for _ in range(2):
+        if not offenders:
+            break
+        time.sleep(0.5)
+        again = json.loads(stack.in_container(PROCS_AND_LISTENERS))["procs"]
+        offenders = {pid: p for pid, p in offenders.items() if again.get(pid) == p}
+    assert not offenders, offenders
 
 
 @pytest.mark.parametrize("sub", [pytest.param(j, id=j.label, marks=[j.mark] if j.mark else []) for j in JOBS])
