@@ -8,7 +8,7 @@ have needed on top of the real copy::
 
     hold = nbytes / asked_rate - nbytes / real_rate
 
-``real_rate`` is this device's pinned H2D rate (the fastest of a few 64 MiB copies, measured once
+``real_rate`` is this device's pinned H2D rate (the fastest of eight 64 MiB copies, measured once
 per process), and the spin's clock rate (cycles per microsecond) is calibrated once too, after a
 warm-up spin has raised the clock. Both are the fastest readings, so a copy that runs slower than
 that, or a clock that drops under load, makes the link slower than asked, never faster: the
@@ -68,7 +68,9 @@ def spin_cycles_per_us(device: torch.device) -> float:
 
 
 def pinned_h2d_gbps(device: torch.device) -> float:
-    """This device's pinned H2D copy rate in GB/s: the fastest of five 64 MiB copies (measured once)."""
+    """This device's pinned H2D copy rate in GB/s: the fastest of eight 64 MiB copies after 256 MiB of
+    warm-up (measured once): a link that idles at a lower PCIe speed ramps up under the warm-up, and a
+    rate read too low would make every paced copy run faster than asked."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     rate = _REAL.get(index)
     if rate is None:
@@ -79,8 +81,9 @@ def pinned_h2d_gbps(device: torch.device) -> float:
             s = torch.cuda.Stream()
             best = 0.0
             with torch.cuda.stream(s):
-                dst.copy_(src, non_blocking=True)  # warm-up
-                for _ in range(5):
+                for _ in range(4):  # warm-up
+                    dst.copy_(src, non_blocking=True)
+                for _ in range(8):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record(s)
                     dst.copy_(src, non_blocking=True)
