@@ -249,7 +249,7 @@ def _fp8_folder(folder: Path, model: torch.nn.Module, dtype: torch.dtype, meta: 
               f"{str(dtype).removeprefix('torch.')} at load ({n} times their scale_weight): no engine streams them",
               flush=True)
         return None
-    return None if offload.lazy_load else found  # the disk tier's shards hold them widened
+    return None if offload.lazy_load else found  # the disk tier binds them from its index: fp8 with their scales
 
 
 def _check_shard_scales(folder: Path, scales: dict[str, torch.Tensor], shard_dir: str | None) -> None:

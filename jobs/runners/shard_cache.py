@@ -57,8 +57,11 @@ class ShardSource:
     config: Path | None
     tensors: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, start, nbytes
     store_dtype: str | None  # None: as the files hold them (they are already in the job's dtype)
-    weight_bytes: int  # every tensor at the job's dtype (integers as stored)
+    weight_bytes: int  # every tensor at the job's dtype (integers and fp8 weights as stored)
     fp8_scaling: str | None = None  # with store_dtype float8_e4m3fn: tensor, row or block (quant.py)
+
+
+FP8_SIDE = (".scale_weight", ".scale_input")  # ComfyUI's scaled fp8: beside each fp8 weight
 
 
 def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = None,
@@ -75,9 +78,16 @@ def read_source(folder: Path, dtype: torch.dtype, weight_dtype: str | None = Non
         tensors = [(t.name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.start, t.nbytes)
                    for t in src.tensors.values()]
         floats = [t for t in src.tensors.values() if t.dtype.is_floating_point]
-        weight_bytes = sum(t.numel * (store if len(t.shape) >= 2 else dtype).itemsize for t in floats) + sum(
-            t.nbytes for t in src.tensors.values() if not t.dtype.is_floating_point)
-        differs = any(t.dtype != dtype for t in floats)
+        # fp8 weights (ComfyUI's fp8 files) stay fp8 as stored in RAM and in the shards, unless weight_dtype
+        # re-stores them: counted at their bytes, and computing in the file's other dtype (disk/grouping.py)
+        native = not weight_dtype and any(t.dtype is torch.float8_e4m3fn for t in floats)
+        # ... and their scales (fp32 scalars beside them: in the index, not in the shards) do not ask for widening
+        rest = [t for t in floats if not (native and (t.dtype is torch.float8_e4m3fn or t.name.endswith(FP8_SIDE)))]
+        kept = {id(t) for t in rest}
+        weight_bytes = sum(t.numel * (store if len(t.shape) >= 2 else dtype).itemsize for t in rest) + sum(
+            t.nbytes for t in src.tensors.values() if id(t) not in kept)
+        # fp8 as stored computes in the others' dtype (bf16 when there are none): they must be the job's
+        differs = any(t.dtype != dtype for t in rest) or (native and not rest and dtype != torch.bfloat16)
     finally:
         src.close()
     if weight_dtype:

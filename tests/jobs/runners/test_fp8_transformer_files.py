@@ -280,3 +280,47 @@ def test_shards_written_without_the_scales_are_refused_by_name(tiny: dict[str, P
         load_transformer(tiny["flux"], get_adapter("flux"), torch.float32, torch.device("cpu"),
                          offload={"offload_granularity": "block", "lazy_load": True, "shard_dir": str(tmp_path / "shards")},
                          transformer_dir=src)
+
+
+@pytest.mark.parametrize("name", ["plain", "scaled"])
+def test_the_disk_tier_keeps_an_fp8_file_fp8_and_streams_it_bitwise(tiny: dict[str, Path], fp8_files, tmp_path: Path,
+                                                                    name: str) -> None:
+    """RAM short (here: offload.lazy_load), an fp8 file's weights go to the model cache's shards as
+    stored, counted at their bytes (they were widened to the job's dtype: twice the disk and the reads,
+    and a RAM need counted at twice the weights), and the disk tier computes the RAM engine's output
+    bitwise."""
+    from test_loading import _out
+
+    from jobs.runners.convert import shard_source
+    from jobs.runners.families import get_adapter
+    from jobs.runners.host_tier import choose_host_tier
+    from jobs.runners.load import load_transformer, offload_config
+    from jobs.runners.shard_cache import read_source
+    from jobs.spec import parse_spec
+
+    home = tmp_path / "home"
+    run = home / "runs" / "job1"
+    run.mkdir(parents=True)
+    folder = shard_source(fp8_files[name][0], tiny["flux"], home / "models")
+    src = read_source(folder, torch.float32)
+    fp8_bytes = sum(n for _, dt, _, _, n in src.tensors if dt == "float8_e4m3fn")
+    assert src.store_dtype is None and fp8_bytes > 0
+    assert src.weight_bytes == sum(n for _, _, _, _, n in src.tensors)  # every tensor at its bytes in the file
+    keys = {"target_device": "cpu", "offload_granularity": "block"}
+    spec = parse_spec({"kind": "infer", "model": {"path": str(tiny["flux"])}, "infer": {"prompt": "a"},
+                       "offload": {**keys, "lazy_load": True}})
+    cpu, adapter = torch.device("cpu"), get_adapter("flux")
+    config = choose_host_tier(spec, offload_config(spec, cpu, training=False), tiny["flux"], torch.float32, run,
+                              held_bytes=0, transformer_dir=folder)
+    index = json.loads((Path(config.shard_dir) / "index.json").read_text())
+    stored = [t for u in index["units"].values() for t in u["tensors"].values() if t["dtype"] == "float8_e4m3fn"]
+    assert len(stored) == sum(dt == "float8_e4m3fn" for _, dt, _, _, _ in src.tensors)
+    assert all((t.get("scale") is not None) == (name == "scaled") for t in stored)
+    disk = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=config, transformer_dir=folder)
+    ram = load_transformer(tiny["flux"], adapter, torch.float32, cpu, offload=keys, transformer_dir=folder)
+    try:
+        assert disk.stats()["host_store"] == "disk" and ram.stats()["host_store"] != "disk"
+        assert torch.equal(_out("flux", disk.model, torch.float32), _out("flux", ram.model, torch.float32))
+    finally:
+        disk.handle.remove()
+        ram.handle.remove()
