@@ -166,7 +166,9 @@ def test_gpus_and_min_vram_pick_the_worker(cluster, tmp_path: Path) -> None:
 
 
 def test_ps_logs_metrics_and_controls_of_a_job_on_the_other_worker(cluster, tmp_path: Path) -> None:
-    a, b = cluster("wa"), cluster("wb", "--max-cpu-jobs", "1")
+    # one job each: whichever claims the blocker is full, so the next job can only start on the other
+    # (with wa unbounded, wa claiming the blocker ran the job beside it and the wait below timed out)
+    a, b = cluster("wa", "--max-cpu-jobs", "1"), cluster("wb", "--max-cpu-jobs", "1")
     gate = tmp_path / "gate"
     metrics_cmd = ('for i in 1 2 3; do echo "{\\"step\\": $i, \\"loss\\": 0.$i}" >> "$OFFLOAD_JOBS_METRICS"; '
                    'echo line $i; done; '
