@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import infer_spec, log, run_dir, run_job
+from runner_helpers import events, infer_spec, log, run_dir, run_job, train_spec
 from single_file_helpers import COMFY, diffusers_state
 
 from jobs.runners.convert import converted_transformer
@@ -58,13 +58,21 @@ def _pictures(job: dict) -> dict[str, bytes]:
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix == ".png"}
 
 
-def test_infer_from_the_file_renders_the_folders_image(worker, tiny: dict[str, Path], qwen_file: Path) -> None:
+def test_train_and_infer_from_the_file_succeed_and_render_the_folders_image(worker, tiny: dict[str, Path],
+                                                                          qwen_file: Path) -> None:
     one = {"prompt": "a red square", "steps": 2}
+    from_file = {"path": None, "transformer": str(qwen_file), "base": str(tiny["qwen-image"])}
     with worker.client() as c:
+        train = train_spec(tiny, "qwen-image", steps=2, save_every=None)
+        train["model"] = {**train["model"], **from_file}
+        trained = run_job(c, train)
         spec = infer_spec(tiny, "qwen-image", **one)
-        spec["model"] = {"path": None, "transformer": str(qwen_file), "base": str(tiny["qwen-image"])}
+        spec["model"] = from_file
         job = run_job(c, spec)
         folder = run_job(c, infer_spec(tiny, "qwen-image", **one))
-    for j in (job, folder):
+    for j in (trained, job, folder):
         assert j["status"] == "SUCCEEDED", log(j)[-3000:]
+    assert (run_dir(trained) / "outputs" / "lora.safetensors").is_file()
+    first, later = events(trained, "runner.convert"), events(job, "runner.convert")
+    assert [e["result"] for e in first] == ["miss"] and [e["result"] for e in later] == ["hit"]  # converted once
     assert _pictures(job) and _pictures(job) == _pictures(folder)
