@@ -14,7 +14,7 @@ rounding; for bf16 the kernel rounds the bits itself, NaN to torch's 0x7FC0).
 tests/offload_core/test_fused_widen.py compares the two bitwise.
 
 Each program widens one tile of one tensor (the weight seen as rows x columns): row scaling takes
-8 x 1024 tiles and one scale per tile row; block scaling 64 x 128 tiles, each inside one 128 x 128
+4 x 1024 tiles and one scale per tile row; block scaling 32 x 128 tiles, each inside one 128 x 128
 scale block, so one scale per tile. A tile table (one int64 row a tile: source and destination
 element, rows, columns, row stride, scale index) is built once per unit layout on the host and
 shared by every unit of that layout (Flux's 19 double and 38 single blocks make two). Where every
@@ -36,7 +36,9 @@ from .units import Unit
 
 __all__ = ["FusedWidener", "TILES", "available", "eligible", "tile_table"]
 
-TILES = {False: (8, 1024), True: (64, 128)}  # (rows, columns) of a tile: row scaling, block scaling
+# (rows, columns) of a tile: row scaling, block scaling. 4096 elements: 32 a thread at Triton's 4 warps,
+# within the registers (8192 chunks of the first kernel were 64 a thread)
+TILES = {False: (4, 1024), True: (32, 128)}
 _COLS = 7  # src, dst, rows, columns, row stride, scale index, unused
 _Q = 16  # the alignment the aligned kernel is told of
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
