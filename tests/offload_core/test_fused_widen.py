@@ -59,6 +59,16 @@ def _widen_both(h, u, fused: FusedWidener, device: str) -> tuple[torch.Tensor, t
     return want, got
 
 
+def _assert_kernel_bitwise(h, units, device: str) -> None:
+    """Every unit's scaled tensors widened by the kernel equal the torch path's, bit for bit; removes h."""
+    fused = FusedWidener(torch.device(device))
+    for u in units:
+        want, got = _widen_both(h, u, fused, device)
+        for w, g in zip(_scaled_bytes(u, want), _scaled_bytes(u, got)):
+            assert torch.equal(w, g)
+    h.remove()
+
+
 def _scaled_bytes(u, buf: torch.Tensor) -> list[torch.Tensor]:
     return [buf[t.offset: t.offset + t.nbytes] for t in u.tensors if t.store_dtype is not None]
 
@@ -116,12 +126,7 @@ def _interpreting() -> bool:
 @pytest.mark.parametrize("scaling", ["row", "block"])
 def test_kernel_bitwise_in_the_interpreter(scaling: str, even: bool) -> None:
     h, units = _units(scaling, even=even)
-    fused = FusedWidener(torch.device("cpu"))
-    for u in units:
-        want, got = _widen_both(h, u, fused, "cpu")
-        for w, g in zip(_scaled_bytes(u, want), _scaled_bytes(u, got)):
-            assert torch.equal(w, g)
-    h.remove()
+    _assert_kernel_bitwise(h, units, "cpu")
 
 
 @pytest.mark.gpu
@@ -131,12 +136,7 @@ def test_kernel_bitwise_in_the_interpreter(scaling: str, even: bool) -> None:
 def test_kernel_bitwise_on_cuda(scaling: str, even: bool) -> None:
     h, units = _units(scaling, "cuda", even)
     assert h.engine.widener.fused is not None  # the engine took the kernel
-    fused = FusedWidener(torch.device("cuda"))
-    for u in units:
-        want, got = _widen_both(h, u, fused, "cuda")
-        for w, g in zip(_scaled_bytes(u, want), _scaled_bytes(u, got)):
-            assert torch.equal(w, g)
-    h.remove()
+    _assert_kernel_bitwise(h, units, "cuda")
 
 
 @pytest.mark.gpu

@@ -17,6 +17,14 @@ _RESNET = {"conv_shortcut": "nin_shortcut"}
 _ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 
 
+def with_files(spec: dict, text_encoders: list[Path], vae: Path | None = None) -> dict:
+    """An infer/train spec with `model.text_encoders` (and `model.vae`) set to these files."""
+    spec["model"]["text_encoders"] = [str(p) for p in text_encoders]
+    if vae is not None:
+        spec["model"]["vae"] = str(vae)
+    return spec
+
+
 def component_state(folder: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):

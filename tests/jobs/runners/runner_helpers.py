@@ -50,6 +50,12 @@ def run_dir(job: dict[str, Any]) -> Path:
     return Path(job["run_dir"])
 
 
+def pictures(job: dict[str, Any]) -> dict[str, bytes]:
+    """The job's images (and Wan's GIFs), by path under outputs/: compared byte for byte between jobs."""
+    out = run_dir(job) / "outputs"
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix in (".png", ".gif")}
+
+
 def step_records(job: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in strict_lines(run_dir(job) / "metrics.jsonl") if "loss" in r]
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from component_file_helpers import CLIP_PREFIX, T5_PREFIX, component_state, fp8, to_ldm_vae, widened, write_file
-from runner_helpers import infer_spec, log, run_dir, train_spec
+from component_file_helpers import (CLIP_PREFIX, T5_PREFIX, component_state, fp8, to_ldm_vae, widened, with_files,
+                                    write_file)
+from runner_helpers import infer_spec, log, pictures, run_dir, train_spec
 from single_file_helpers import write_bfl
 
 from jobs.errors import SpecError
@@ -116,16 +117,6 @@ def test_an_unknown_tensor_is_refused_naming_it(tiny: dict[str, Path], files: di
 # ---------------------------------------------------------------------------------- through a worker
 
 
-def _pictures(job: dict) -> dict[str, bytes]:
-    out = run_dir(job) / "outputs"
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix in (".png", ".gif")}
-
-
-def _with_files(spec: dict, text_encoders: list[Path], vae: Path | None = None) -> dict:
-    spec["model"]["text_encoders"] = [str(p) for p in text_encoders]
-    if vae is not None:
-        spec["model"]["vae"] = str(vae)
-    return spec
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +140,10 @@ def jobs(worker, tiny: dict[str, Path], files: dict[str, Path], widened_wan: Pat
     wan = infer_spec(tiny, "wan", prompt="a red square", steps=2)
     wan["model"]["path"] = str(widened_wan)
     specs = {"flux-folder": infer_spec(tiny, "flux", prompt="a red square", steps=2),
-             "flux-files": _with_files(infer_spec(tiny, "flux", prompt="a red square", steps=2), flux_parts, files["ae"]),
-             "flux-train": _with_files(train_spec(tiny, "flux", steps=2, save_every=None), flux_parts, files["ae"]),
+             "flux-files": with_files(infer_spec(tiny, "flux", prompt="a red square", steps=2), flux_parts, files["ae"]),
+             "flux-train": with_files(train_spec(tiny, "flux", steps=2, save_every=None), flux_parts, files["ae"]),
              "wan-widened": wan,
-             "wan-fp8": _with_files(infer_spec(tiny, "wan", prompt="a red square", steps=2), [files["umt5_xxl_scaled"]])}
+             "wan-fp8": with_files(infer_spec(tiny, "wan", prompt="a red square", steps=2), [files["umt5_xxl_scaled"]])}
     with worker.client() as c:
         ids = {name: c.submit(spec)["id"] for name, spec in specs.items()}
         return {name: c.wait(jid, timeout=300) for name, jid in ids.items()}
@@ -162,7 +153,7 @@ def test_infer_from_encoder_and_vae_files_renders_the_folders_images(jobs: dict[
     folder, mine = jobs["flux-folder"], jobs["flux-files"]
     for job in (folder, mine, jobs["flux-train"]):
         assert job["status"] == "SUCCEEDED", log(job)[-3000:]
-    assert _pictures(mine) and _pictures(mine) == _pictures(folder)
+    assert pictures(mine) and pictures(mine) == pictures(folder)
     text = log(mine)
     assert f"text_encoder: {files['clip_l']} (clip_l" in text and f"vae: {files['ae']} (vae, bfl names" in text
     assert (run_dir(jobs["flux-train"]) / "outputs" / "lora.safetensors").is_file()
@@ -171,7 +162,7 @@ def test_infer_from_encoder_and_vae_files_renders_the_folders_images(jobs: dict[
 def test_a_scaled_fp8_umt5_renders_what_its_widened_encoder_renders(jobs: dict[str, dict], files: dict[str, Path]) -> None:
     for job in (jobs["wan-widened"], jobs["wan-fp8"]):
         assert job["status"] == "SUCCEEDED", log(job)[-3000:]
-    assert _pictures(jobs["wan-fp8"]) and _pictures(jobs["wan-fp8"]) == _pictures(jobs["wan-widened"])
+    assert pictures(jobs["wan-fp8"]) and pictures(jobs["wan-fp8"]) == pictures(jobs["wan-widened"])
     assert "fp8 (scaled): 5,152 of 5,152 fp8 weights kept as stored, streamed by the engine" in log(jobs["wan-fp8"])
 
 
@@ -188,7 +179,7 @@ def test_a_file_that_does_not_fit_is_refused_at_submit_naming_it(worker, tiny: d
     with worker.client() as c:
         for encoders, vae, field, words in cases:
             with pytest.raises(SpecError) as err:
-                c.submit(_with_files(infer_spec(tiny, "flux"), encoders, vae))
+                c.submit(with_files(infer_spec(tiny, "flux"), encoders, vae))
             bad = vae if vae is not None else encoders[-1]
             assert err.value.field == field and str(bad) in str(err.value) and words in str(err.value), str(err.value)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import infer_spec, log, run_dir, run_job, train_spec
+from runner_helpers import infer_spec, log, pictures, run_dir, run_job, train_spec
 from single_file_helpers import COMFY, diffusers_state, to_bfl
 
 from jobs.contract import Metric
@@ -140,10 +140,6 @@ def _single(spec: dict, path: Path, base: Path) -> dict:
     return spec
 
 
-def _pictures(job: dict) -> dict[str, bytes]:
-    out = run_dir(job) / "outputs"
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix == ".png"}
-
 
 @pytest.fixture(scope="module")
 def fp8_jobs(worker, tiny: dict[str, Path], fp8_files) -> dict[str, dict]:
@@ -166,7 +162,7 @@ def test_infer_from_an_fp8_file_renders_the_widened_folders_image(fp8_jobs: dict
     for j in (job, folder):
         assert j["status"] == "SUCCEEDED", log(j)[-3000:]
     assert "fp8 block weights" in log(job) and "kept as stored" in log(job)
-    assert _pictures(job) and _pictures(job) == _pictures(folder)
+    assert pictures(job) and pictures(job) == pictures(folder)
 
 
 def test_train_from_a_scaled_fp8_file_succeeds(fp8_jobs: dict[str, dict]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import events, infer_spec, log, run_dir, run_job, train_spec
+from runner_helpers import events, infer_spec, log, pictures, run_dir, run_job, train_spec
 from single_file_helpers import COMFY, diffusers_state
 
 from jobs.runners.convert import converted_transformer
@@ -53,10 +53,6 @@ def test_a_qwen_image_2_1_file_is_refused_by_name(tmp_path: Path) -> None:
     assert str(path) in str(err.value) and "Qwen-Image 2.1" in str(err.value)
 
 
-def _pictures(job: dict) -> dict[str, bytes]:
-    out = run_dir(job) / "outputs"
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix == ".png"}
-
 
 def test_train_and_infer_from_the_file_succeed_and_render_the_folders_image(worker, tiny: dict[str, Path],
                                                                           qwen_file: Path) -> None:
@@ -75,4 +71,4 @@ def test_train_and_infer_from_the_file_succeed_and_render_the_folders_image(work
     assert (run_dir(trained) / "outputs" / "lora.safetensors").is_file()
     first, later = events(trained, "runner.convert"), events(job, "runner.convert")
     assert [e["result"] for e in first] == ["miss"] and [e["result"] for e in later] == ["hit"]  # converted once
-    assert _pictures(job) and _pictures(job) == _pictures(folder)
+    assert pictures(job) and pictures(job) == pictures(folder)

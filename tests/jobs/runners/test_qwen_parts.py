@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from component_file_helpers import (QWEN_PREFIX, T5_PREFIX, component_state, fp8, to_ldm_vae, to_wan_native_vae,
-                                    widened, write_file)
-from runner_helpers import infer_spec, log, run_dir
+                                    widened, with_files, write_file)
+from runner_helpers import infer_spec, log, pictures
 
 from jobs.errors import SpecError
 from jobs.runners.component_files import check_parts, identify
@@ -221,16 +221,6 @@ def test_models_lists_the_files_with_family_and_role(tmp_path: Path, files: dict
 # ---------------------------------------------------------------------------------- through a worker
 
 
-def _pictures(job: dict) -> dict[str, bytes]:
-    out = run_dir(job) / "outputs"
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix == ".png"}
-
-
-def _with_files(spec: dict, text_encoders: list[Path], vae: Path | None = None) -> dict:
-    spec["model"]["text_encoders"] = [str(p) for p in text_encoders]
-    if vae is not None:
-        spec["model"]["vae"] = str(vae)
-    return spec
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +230,9 @@ def jobs(worker, tiny: dict[str, Path], files: dict[str, Path], widened_qwen: Pa
     widened_spec = infer_spec(tiny, QWEN, **one)
     widened_spec["model"]["path"] = str(widened_qwen)
     specs = {"folder": infer_spec(tiny, QWEN, **one),
-             "files": _with_files(infer_spec(tiny, QWEN, **one), [files["te_whole"]], files["vae"]),
+             "files": with_files(infer_spec(tiny, QWEN, **one), [files["te_whole"]], files["vae"]),
              "widened": widened_spec,
-             "fp8": _with_files(infer_spec(tiny, QWEN, **one), [files["te_fp8"]])}
+             "fp8": with_files(infer_spec(tiny, QWEN, **one), [files["te_fp8"]])}
     with worker.client() as c:
         ids = {name: c.submit(spec)["id"] for name, spec in specs.items()}
         return {name: c.wait(jid, timeout=300) for name, jid in ids.items()}
@@ -252,7 +242,7 @@ def test_infer_from_qwen_encoder_and_vae_files_renders_the_folders_image(jobs: d
                                                                          files: dict[str, Path]) -> None:
     for job in (jobs["folder"], jobs["files"]):
         assert job["status"] == "SUCCEEDED", log(job)[-3000:]
-    assert _pictures(jobs["files"]) and _pictures(jobs["files"]) == _pictures(jobs["folder"])
+    assert pictures(jobs["files"]) and pictures(jobs["files"]) == pictures(jobs["folder"])
     text = log(jobs["files"])
     assert f"text_encoder: {files['te_whole']} (qwen_2.5_vl, hf names" in text
     assert f"vae: {files['vae']} (vae, native names" in text
@@ -261,8 +251,8 @@ def test_infer_from_qwen_encoder_and_vae_files_renders_the_folders_image(jobs: d
 def test_a_scaled_fp8_qwen_encoder_renders_what_its_widened_encoder_renders(jobs: dict[str, dict]) -> None:
     for job in (jobs["widened"], jobs["fp8"]):
         assert job["status"] == "SUCCEEDED", log(job)[-3000:]
-    assert _pictures(jobs["fp8"]) and _pictures(jobs["fp8"]) == _pictures(jobs["widened"])
-    assert _pictures(jobs["fp8"]) != _pictures(jobs["folder"])  # the file's weights, not the base's, did it
+    assert pictures(jobs["fp8"]) and pictures(jobs["fp8"]) == pictures(jobs["widened"])
+    assert pictures(jobs["fp8"]) != pictures(jobs["folder"])  # the file's weights, not the base's, did it
     assert "fp8 (scaled): " in log(jobs["fp8"]) and "kept as stored, streamed by the engine" in log(jobs["fp8"])
 
 
@@ -279,7 +269,7 @@ def test_an_encoder_or_vae_of_another_family_is_refused_at_submit_naming_it(work
     with worker.client() as c:
         for family, encoders, vae, words in cases:
             with pytest.raises(SpecError) as err:
-                c.submit(_with_files(infer_spec(tiny, family), encoders, vae))
+                c.submit(with_files(infer_spec(tiny, family), encoders, vae))
             bad = vae if vae is not None else encoders[-1]
             field = "model.vae" if vae is not None else "model.text_encoders"
             assert err.value.field == field and str(bad) in str(err.value) and words in str(err.value), str(err.value)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import events, infer_spec, log, run_dir, run_job, train_spec
+from runner_helpers import events, infer_spec, log, pictures, run_dir, run_job, train_spec
 from single_file_helpers import COMFY, diffusers_state, to_bfl, write_bfl, write_wan_native
 
 from jobs.errors import SpecError
@@ -153,11 +153,6 @@ def _single(spec: dict, path: Path, tiny: dict[str, Path], family: str = "flux")
     return spec
 
 
-def _pictures(job: dict) -> dict[str, bytes]:
-    """Every image and video file an infer job wrote (Wan: frames and a GIF), by its path in outputs/."""
-    out = run_dir(job) / "outputs"
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.suffix in (".png", ".gif")}
-
 
 # A train job from one layout of each family (the conversion is the same for train and infer); an infer
 # job from every layout. The infer job from a layout no train job converted is the cache miss.
@@ -194,7 +189,7 @@ def test_train_and_infer_from_a_file_succeed_and_render_the_folders_image(jobs: 
         assert len(first) == 1 and first[0]["result"] == "miss" and first[0]["layout"] == CASES[family, name]
         assert len(later) == 1 and later[0]["result"] == "hit" and later[0]["path"] == first[0]["path"]
         assert (run_dir(train) / "outputs" / "lora.safetensors").is_file()
-    assert _pictures(infer) and _pictures(infer) == _pictures(folder)
+    assert pictures(infer) and pictures(infer) == pictures(folder)
 
 
 def test_a_bad_file_is_refused_at_submit_naming_it(worker, tiny: dict[str, Path], files: dict[str, Path]) -> None:
