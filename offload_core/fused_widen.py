@@ -121,7 +121,6 @@ class FusedWidener:
         if scales is None:
             scales = self._scales[raw.data_ptr()] = raw[: raw.numel() // 4 * 4].view(torch.float32)
         dtype = next(t.dtype for t in u.tensors if t.store_dtype is not None)
-        kernel = _load_kernel()
         bf16 = dtype == torch.bfloat16  # written as its bits (int16), rounded in the kernel
         dst = buf.view(torch.int16 if bf16 else dtype)
         tr, tc = TILES[blocked]
