@@ -159,6 +159,8 @@ class EngineStats(TypedDict, total=False):
     compile_graphs: int
     recompiles: int
     compile_seconds: float
+    compile_cache_hits: int  # inductor's FX-graph cache: graphs found compiled (by an earlier job), and not
+    compile_cache_misses: int
 
 
 class _Names:

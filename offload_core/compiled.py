@@ -12,7 +12,9 @@ shapes), the engine's hooks outside the compiled region.
 - fp8 storage needs nothing here: the transfer widens a unit into its slot before the block runs.
 - Counted per compiler (``stats()``): graphs compiled while its blocks ran, those compiled after
   the first cycle (recompiles), and the seconds spent compiling them, the lazy backward compile of
-  the same frames included (torch's compile callbacks, matched by compile id).
+  the same frames included (torch's compile callbacks, matched by compile id); and inductor's
+  FX-graph cache hits and misses since the compiler was made (a later job that finds the graphs in
+  the cache folder compiles in seconds: jobs point it at the state dir, jobs/runners/load.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def _install_callbacks() -> None:
             callback_handler.register_end_callback(_on_end)
 
 
+def _inductor_cache() -> dict[str, int]:
+    """Inductor's FX-graph cache lookups so far in this process (hits: graphs a prior compile, in
+    this process or another sharing the cache folder, already made; ``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._dynamo.utils import counters
+
+    return {k: int(counters["inductor"].get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss")}
+
+
 def refuse_patched(blocks: list[nn.Module]) -> None:
     """A block whose forward or call is already replaced (compiled twice, or by ``module.compile()``,
     which would put the engine's hooks inside the graph) is refused, naming its class."""
@@ -107,6 +117,7 @@ class BlockCompiler:
         self.graphs = 0
         self.recompiles = 0
         self.seconds = 0.0
+        self._cache0 = _inductor_cache()  # process-wide counters: what this compiler adds is the difference
         self._started: dict[str, float] = {}
         self._blocks: list[nn.Module] = []
         self.handles: list[Any] = []  # hooks that go with the compiled blocks (compile_blocks' call counter)
@@ -135,8 +146,11 @@ class BlockCompiler:
         return forward
 
     def stats(self) -> dict[str, Any]:
+        cache = _inductor_cache()
         return {"compiled_blocks": len(self._blocks), "compile_graphs": self.graphs,
-                "recompiles": self.recompiles, "compile_seconds": self.seconds}
+                "recompiles": self.recompiles, "compile_seconds": self.seconds,
+                "compile_cache_hits": cache["hit"] - self._cache0["hit"],
+                "compile_cache_misses": cache["miss"] - self._cache0["miss"]}
 
     def remove(self) -> None:
         """The blocks run their class's eager forward again (dynamo keeps what it compiled)."""

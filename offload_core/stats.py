@@ -131,7 +131,8 @@ class EngineStats:
     h2d_bytes_per_optimizer_step: float = 0.0
     optimizer_stats: dict[str, Any] = field(default_factory=dict)  # optimizer offload's own keys, when it is on
     link_stats: dict[str, Any] = field(default_factory=dict)  # debug_link_gbps's keys (link.py), when it is set
-    # compile=True's keys (compiled.py): compiled_blocks, compile_graphs, recompiles, compile_seconds
+    # compile=True's keys (compiled.py): compiled_blocks, compile_graphs, recompiles, compile_seconds,
+    # compile_cache_hits, compile_cache_misses
     compile_stats: dict[str, Any] = field(default_factory=dict)
 
     MERGED = ("store_stats", "optimizer_stats", "link_stats", "compile_stats")  # fields whose keys are merged into the dict, not kept under their name

@@ -23,7 +23,7 @@ from jobs.runners import render as rnd
 from jobs.runners.convert import transformer_folder
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_infer
-from jobs.runners.load import (apply_vram_cap, free_host_memory, load_pipeline_parts, load_transformer,
+from jobs.runners.load import (apply_vram_cap, compile_cache, free_host_memory, load_pipeline_parts, load_transformer,
                                offload_config, resolve_device, resolve_dtype)
 from jobs.runners.folders import LoraError, lora_format, read_lora_header
 from jobs.runners.host_tier import choose_host_tier
@@ -143,6 +143,8 @@ def prepare_model(spec: JobSpec, run_dir: Path, device: torch.device, cap: int |
     engine_keys = spec.offload.engine_kwargs()  # as the user wrote them, for params.json
     engine_keys.pop("enable_optimizer_cpu_offload", None)
     tdir = transformer_folder(model_dir, transformer, run_dir)
+    if spec.offload.compile:
+        compile_cache(run_dir)
     offload = choose_host_tier(spec, offload_config(spec, device, training=False), model_dir, dtype, run_dir,
                                held_bytes=watch.rss(), transformer_dir=tdir)
     if lora is not None and offload is not None and offload.lazy_load:

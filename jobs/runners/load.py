@@ -158,6 +158,13 @@ def meta_transformer(cls: Any, folder: str | Path, dtype: torch.dtype) -> torch.
     return model.eval()
 
 
+def compile_cache(run_dir: Path) -> Path:
+    """offload.compile: inductor's cache folder in the state dir (<home>/cache/torch-compile), so that a
+    later job, in this container or after a restart, finds the graphs compiled (seconds, not a
+    minute); a TORCHINDUCTOR_CACHE_DIR set in the job's env wins."""
+    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(run_dir).parent.parent / "cache" / "torch-compile")))
+
+
 def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, device: torch.device, *,
                      offload: Any, training: bool = False,
                      prepare: Callable[[torch.nn.Module], None] | None = None,

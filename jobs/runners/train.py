@@ -31,7 +31,7 @@ from jobs.runners.data import epoch_order, make_buckets, nearest_bucket
 from jobs.runners.errors import NonFiniteLoss
 from jobs.runners.families import FamilyAdapter, get_adapter
 from jobs.runners.inputs import Checked, check_train
-from jobs.runners.load import (apply_vram_cap, bytes_text, free_host_memory, host_ram_on_load, load_pipeline_parts,
+from jobs.runners.load import (apply_vram_cap, bytes_text, compile_cache, free_host_memory, host_ram_on_load, load_pipeline_parts,
                                load_transformer, offload_config, resolve_device, resolve_dtype)
 from jobs.runners.host_tier import choose_host_tier
 from jobs.runners.lora import check_lora_format, export_lora, inject_lora, load_lora_file, load_trainable_state, trainable_state
@@ -250,6 +250,8 @@ class TrainRecipe:
     def _load_model(self) -> None:
         self.watch.phase("load")
         tdir = transformer_folder(self.model_dir, self.transformer_file, self.run_dir)
+        if self.spec.offload.compile:
+            compile_cache(self.run_dir)
         self.engine_config = choose_host_tier(self.spec, offload_config(self.spec, self.device, training=True),
                                               self.model_dir, self.dtype, self.run_dir, held_bytes=self.watch.rss(),
                                               transformer_dir=tdir)

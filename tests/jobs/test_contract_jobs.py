@@ -39,7 +39,8 @@ INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss
 # ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs), and
 # the compile counts, which only offload.compile writes (tests/offload_core/test_compiled_blocks.py).
 ENGINE_FIELDS = set(ENGINE_STATS) - {Metric.disk_gbps, Metric.bounce_fill_gbps, Metric.compile_graphs,
-                                     Metric.recompiles, Metric.compile_seconds}
+                                     Metric.recompiles, Metric.compile_seconds, Metric.compile_cache_hits,
+                                     Metric.compile_cache_misses}
 # The engine panel's host store line: the infer job streams through the bounce store (offload.pinned_limit
 # 64KiB), the train job through the arena (on the CPU: nothing to pin, and it says so).
 HOST_STORE_LINES = {

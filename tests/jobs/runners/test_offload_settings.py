@@ -142,7 +142,8 @@ def test_fp8_scaling_without_fp8_is_one_line_naming_the_field() -> None:
 @pytest.mark.slow  # a cold inductor compile: minutes of CPU (pytest -m slow)
 def test_compile_runs_the_job_with_compiled_blocks_and_forwards_the_counts(client, tiny: dict[str, Path]) -> None:
     """offload.compile reaches the engine: its blocks compile in the job's first step, and the counts
-    are in every step row (the contract's names)."""
+    are in every step row (the contract's names); a second job finds the graphs in the state dir's
+    inductor cache."""
     import pytest
 
     from jobs.contract import Metric
@@ -158,6 +159,14 @@ def test_compile_runs_the_job_with_compiled_blocks_and_forwards_the_counts(clien
     rows = step_records(job)
     assert rows[0][Metric.compile_graphs] >= 2 and rows[0][Metric.compile_seconds] > 0, rows[0]
     assert rows[-1][Metric.compile_graphs] >= rows[0][Metric.compile_graphs] and Metric.recompiles in rows[-1]
+    assert rows[0][Metric.compile_cache_misses] > 0, rows[0]  # a fresh state dir: inductor compiled the graphs
+    # the cache lives in the state dir, where a second job (a fresh process) finds every graph compiled
+    home = Path(job["run_dir"]).parent.parent
+    assert any((home / "cache" / "torch-compile").iterdir())
+    again = run_job(client, spec, timeout=900)
+    assert again["status"] == "SUCCEEDED", log(again)[-2000:]
+    first = step_records(again)[0]
+    assert first[Metric.compile_cache_hits] > 0 and first[Metric.compile_cache_misses] == 0, first
 
 
 def test_compile_needs_whole_blocks_one_line_naming_the_field() -> None:
