@@ -45,7 +45,7 @@ class UsageError(Exception):
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="Weight-offload benchmark: ours against resident and the peers.")
-    p.add_argument("--workloads", default="p1,p2,p3", help="comma list of p1, p2, p3, flux-dev-lora-8g")
+    p.add_argument("--workloads", default="p1,p2,p3", help="comma list of p1, p2, p3, flux-dev-lora-8g, flux-dev-infer-8g")
     p.add_argument("--json", dest="json_path", default=None, help="write every measurement here")
     p.add_argument("--md", dest="md_path", default=None, help="also write the report as markdown here")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -57,7 +57,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled step per variant")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="after each of our variants, N rounds of one resident step then one of ours (default 0: off)")
-    p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="P2's LoRA weight dtype (default bf16)")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="the LoRA weights' dtype of p2 and flux-dev-lora-8g (default bf16; the train runner's are fp32)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
     p.add_argument("--link-gbps", default=None, metavar="LIST",
                    help="comma list of emulated H2D link rates in GB/s and/or 'real' (e.g. 13,25,50,real): "

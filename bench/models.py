@@ -100,13 +100,15 @@ FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
 
 
 def build_flux_lora(config: dict[str, Any], num_layers: int, num_single_layers: int, rank: int, dtype: torch.dtype,
-                    seed: int = 0) -> nn.Module:
-    """Flux with peft LoRA (weights in ``dtype``, B nonzero) on FLUX_LORA_TARGETS, gradient checkpointing on."""
+                    seed: int = 0, lora_dtype: torch.dtype | None = None) -> nn.Module:
+    """Flux with peft LoRA (weights in ``lora_dtype``, default ``dtype``; B nonzero) on FLUX_LORA_TARGETS,
+    gradient checkpointing on. fp32 adapters are what the train runner makes (peft then casts every
+    adapted input to fp32)."""
     from peft import LoraConfig
 
     model = build_flux(config, num_layers, num_single_layers, dtype, seed)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=FLUX_LORA_TARGETS))
-    _fill_lora_(model, dtype, seed + 1)
+    _fill_lora_(model, lora_dtype or dtype, seed + 1)
     model.enable_gradient_checkpointing()
     return model.train()
 

@@ -204,7 +204,7 @@ def _accelerate(model: nn.Module, wl: Workload, device: torch.device) -> Session
 def variants_for(wl: Workload) -> list[Variant]:
     """Every variant of a workload, in run order (ours before the peers, so their pinned caches can't help us)."""
     out = [Variant("resident", _resident, "resident"), Variant("resident-repeat", _resident, "resident")]
-    if wl.name in ("p1", "flux-dev-lora-8g"):
+    if wl.name in ("p1", "flux-dev-lora-8g", "flux-dev-infer-8g"):
         # compiled blocks (offload_core/compiled.py): resident compiled the same way is their reference
         out.append(fresh_dynamo(Variant("resident-compile", _resident_compile, "resident", {"compile": True})))
     if wl.optimizer_offload:
@@ -222,14 +222,14 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-budget7g", vram_budget="7.0GiB"))
         # phase units (a block's children): a ring slot is ~151 MB instead of a 680 MB double block
         out.append(ours_variant("ours-phase", offload_granularity="phase"))
-    if wl.name in ("p1", "flux-dev-lora-8g"):
+    if wl.name in ("p1", "flux-dev-lora-8g", "flux-dev-infer-8g"):
         out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))  # the default scaling (row)
         # the other fp8 scalings, for the speed side of the quality trade (bench/RESULTS.md, "fp8 quality")
         out.append(ours_variant("ours-fp8-tensor", weight_dtype="float8_e4m3fn", fp8_scaling="tensor"))
         out.append(ours_variant("ours-fp8-block", weight_dtype="float8_e4m3fn", fp8_scaling="block"))
         out.append(fresh_dynamo(ours_variant("ours-compile", compile=True)))
         out.append(fresh_dynamo(ours_variant("ours-fp8-compile", weight_dtype="float8_e4m3fn", compile=True)))
-    if wl.name in ("p1", "flux-dev-lora-8g"):
+    if wl.name in ("p1", "flux-dev-lora-8g", "flux-dev-infer-8g"):
         # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
         out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))
         out.append(ours_variant("ours-bounce-t8", pinned_limit="256MiB", num_copy_threads=8))

@@ -1,4 +1,4 @@
-"""P1, P2, P3 and flux-dev-lora-8g: how to build each model and its inputs, and what one step of it is.
+"""P1, P2, P3, flux-dev-lora-8g and flux-dev-infer-8g: how to build each model and its inputs, and what one step of it is.
 
 A workload builds one CPU master model; every variant runs on a deep copy of it, with the same
 inputs, so outputs are comparable bit for bit.
@@ -186,7 +186,7 @@ def _toy(tiny: bool) -> Workload:
 # ---- flux-dev-lora-8g: full Flux-dev dims, LoRA training on an 8 GiB card ----------------------
 
 
-def _flux_dev_lora(tiny: bool) -> Workload:
+def _flux_dev_lora(tiny: bool, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
     cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
     double, single = (1, 2) if tiny else (19, 38)
     side = 16 if tiny else 64
@@ -195,25 +195,52 @@ def _flux_dev_lora(tiny: bool) -> Workload:
     width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
     return Workload(
         name="flux-dev-lora-8g",
-        title=(f"Flux-dev dims LoRA r{rank} training, {double}+{single} blocks, width {width}, "
-               f"{side * side}+{txt} tokens, bf16, checkpointed, ours under an 8 GiB cap"),
+        title=(f"Flux-dev dims LoRA r{rank}{'' if lora_dtype == torch.bfloat16 else ' (fp32 adapters)'} training, "
+               f"{double}+{single} blocks, width {width}, {side * side}+{txt} tokens, bf16, checkpointed, ours under an "
+               "8 GiB cap"),
         train=True,
-        build=lambda: build_flux_lora(cfg, double, single, rank, torch.bfloat16),
+        build=lambda: build_flux_lora(cfg, double, single, rank, torch.bfloat16, lora_dtype=lora_dtype),
         make_inputs=_flux_inputs(cfg, side, txt, target=True),
         h2d_crossings=2,
         lr=1e-4,
         floor_note="frozen weights cross twice per step: forward, then the recompute that backward shares",
         info={"double_blocks": double, "single_blocks": single, "width": width, "lora_rank": rank,
-              "lora_targets": ",".join(FLUX_LORA_TARGETS), "tokens": side * side + txt},
+              "lora_dtype": str(lora_dtype).removeprefix("torch."), "lora_targets": ",".join(FLUX_LORA_TARGETS), "tokens": side * side + txt},
+        vram_cap_bytes=None if tiny else 8 << 30,
+    )
+
+
+# ---- flux-dev-infer-8g: full Flux-dev dims, one denoising step's forward on an 8 GiB card ----------
+
+
+def _flux_dev_infer(tiny: bool) -> Workload:
+    cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
+    double, single = (1, 2) if tiny else (19, 38)
+    side = 16 if tiny else 64
+    txt = 16 if tiny else 512
+    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
+    return Workload(
+        name="flux-dev-infer-8g",
+        title=(f"Flux-dev dims inference (one denoising step), {double}+{single} blocks, width {width}, "
+               f"{side * side}+{txt} tokens, bf16, ours under an 8 GiB cap"),
+        train=False,
+        build=lambda: build_flux(cfg, double, single, torch.bfloat16),
+        make_inputs=_flux_inputs(cfg, side, txt),
+        h2d_crossings=1,
+        floor_note="every weight crosses once per forward",
+        info={"double_blocks": double, "single_blocks": single, "width": width, "tokens": side * side + txt},
         vram_cap_bytes=None if tiny else 8 << 30,
     )
 
 
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {"p1": _flux, "p2": _lora, "p3": _toy,
-                                                    "flux-dev-lora-8g": _flux_dev_lora}
+                                                    "flux-dev-lora-8g": _flux_dev_lora,
+                                                    "flux-dev-infer-8g": _flux_dev_infer}
 
 
 def get_workload(name: str, tiny: bool, *, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
     if name == "p2":
         return _lora(tiny, lora_dtype)
+    if name == "flux-dev-lora-8g":
+        return _flux_dev_lora(tiny, lora_dtype)
     return WORKLOADS[name](tiny)

@@ -10,6 +10,11 @@ Flux, 24 GiB for Qwen-Image and Wan), then delete the model folder (the disk hol
 It prints, per family: s/step against the engine floor (bytes that must cross / 55.45 GB/s), peak
 VRAM, peak host RSS against the weight bytes, and the infer job's s/image; `--json FILE` keeps it.
 
+Flux only: `--match-bench` trains the bench's LoRA targets and times the engine bench's step for the
+same model, fp32 adapters and cap in a child first (issue 30: the job's s/step against it); `--fp8`
+adds a train job with fp8 weights; `--compile-jobs N` adds N fp8 + offload.compile jobs (the first
+compiles, the later ones read inductor's cache in the state dir: compile seconds and cache hits).
+
 `--device cpu --blocks 1 --size 64` runs the same path on a CPU box (a smoke test of this script).
 """
 
@@ -179,6 +184,49 @@ def _train_report(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _engine_bench(root: Path) -> dict[str, Any]:
+    """The engine bench's flux-dev-lora-8g 'ours' row with the job's LoRA (the same dims, targets, fp32
+    adapters and cap), in a child so that this process holds none of its memory."""
+    out = root / "bench-ours.json"
+    cmd = [sys.executable, "-m", "bench", "--workloads", "flux-dev-lora-8g", "--only", "ours", "--device", "cuda",
+           "--warmup", "2", "--repeats", "3", "--no-profile", "--lora-dtype", "fp32", "--json", str(out)]
+    print("engine bench: " + " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["variant"] == "ours")
+    return {"ms_per_step": row["time_ms"], "peak_vram_gib": row["peak_vram_bytes"] / 2**30, "status": row["status"]}
+
+
+def _extra_jobs(train: dict[str, Any], args: argparse.Namespace, worker: Worker) -> list[dict[str, Any]]:
+    """--fp8: the same train job with fp8 weights; --compile-jobs N: N jobs with fp8 and compiled blocks
+    (the first compiles; the later ones read inductor's cache in the state dir)."""
+    kinds = (["fp8"] if args.fp8 else []) + [f"fp8+compile #{i + 1}" for i in range(args.compile_jobs)]
+    out = []
+    for kind in kinds:
+        spec = json.loads(json.dumps(train))
+        spec["name"] = f"{train['name']}-{kind.replace('+', '-').replace(' #', '-')}"
+        spec["offload"]["weight_dtype"] = "float8_e4m3fn"
+        if "compile" in kind:
+            spec["offload"]["compile"] = True
+        spec["train"].update(steps=args.extra_steps, save_every=args.extra_steps, sample_every=None, sample_prompts=[])
+        job = worker.run(spec, timeout=args.timeout)
+        rep: dict[str, Any] = {"kind": kind, "status": job["status"], "job": job["id"]}
+        if job["status"] != "SUCCEEDED":
+            rep["log_tail"] = (Path(job["run_dir"]) / "output.log").read_text(errors="replace")[-3000:]
+        else:
+            steps = [r for r in _records(job) if "loss" in r]
+            later = steps[len(steps) // 2:] or steps
+            first, last = steps[0], steps[-1]
+            rep.update(s_per_step=statistics.median(r["step_seconds"] for r in later),
+                       step_seconds=[round(r["step_seconds"], 3) for r in steps],
+                       vram_peak_gib=last.get("vram_peak_bytes", 0) / 2**30, losses=[round(r["loss"], 5) for r in steps],
+                       **{k: last.get(k) for k in ("compile_graphs", "recompiles", "compile_seconds", "compile_cache_hits",
+                                                   "compile_cache_misses")})
+            rep["first_step_s"] = first["step_seconds"]
+        print(f"  {kind}: {json.dumps(rep)[:600]}", flush=True)
+        out.append(rep)
+    return out
+
+
 def _infer_report(job: dict[str, Any]) -> dict[str, Any]:
     recs = _records(job)
     imgs = [r for r in recs if "seconds" in r and "step" in r]
@@ -230,12 +278,22 @@ def _run_family(family: str, args: argparse.Namespace, worker: Worker) -> dict[s
                        "max_sequence_length": args.text_tokens}}
     if family in TARGETS:
         train["train"]["lora_target_modules"] = TARGETS[family]
+    bench = None
+    if family == "flux" and args.match_bench:
+        from bench.models import FLUX_LORA_TARGETS
+
+        train["train"]["lora_target_modules"] = list(FLUX_LORA_TARGETS)
+        bench = _engine_bench(root)
     job = worker.run(train, timeout=args.timeout)
     if job["status"] != "SUCCEEDED":
         tail = (Path(job["run_dir"]) / "output.log").read_text(errors="replace")[-3000:]
         return {"family": family, "train": {"status": job["status"], "reason": job.get("reason"),
                                             "message": job.get("message"), "log_tail": tail}}
     report: dict[str, Any] = {"family": family, "build_s": build_s, "train_job": job["id"], "train": _train_report(job)}
+    if bench is not None:
+        report["bench"] = bench
+    if family == "flux":
+        report["extra"] = _extra_jobs(train, args, worker)
     w, h = _clip_size(side) if family == "wan" else (side, side)
     infer = {"kind": "infer", "name": f"h200-{family}-infer", "model": {"path": str(model), "dtype": "bfloat16"},
              "offload": offload, "env": env, "resources": {"gpus": 1 if args.device == "cuda" else 0},
@@ -264,6 +322,19 @@ def _print(rep: dict[str, Any]) -> None:
           f"encoders); (while loading {t['rss_load_peak_over_weights']:.2f}x, of which "
           f"loading added {t['rss_load_added_over_weights']:.2f}x); by phase {t['rss_peaks_by_phase_gb']}")
     print(f"  losses {t['losses']}; samples {t['samples']}")
+    b = rep.get("bench")
+    if b:
+        print(f"  engine bench (flux-dev-lora-8g ours, same dims, targets, fp32 adapters and cap): {b['ms_per_step']:.1f} ms/step; "
+              f"the job's s/step x{t['s_per_step'] * 1e3 / b['ms_per_step']:.3f} of it")
+    for e in rep.get("extra", []):
+        if e["status"] != "SUCCEEDED":
+            print(f"  {e['kind']}: {e['status']}\n{e.get('log_tail', '')}")
+            continue
+        print(f"  {e['kind']}: s/step {e['s_per_step']:.3f} (steps {e['step_seconds']}), first step {e['first_step_s']:.1f} s, "
+              f"peak VRAM {e['vram_peak_gib']:.2f} GiB" + (
+                  f", compile {e['compile_seconds']:.1f} s, {e['compile_graphs']} graphs, {e['recompiles']} recompiles, "
+                  f"inductor cache {e['compile_cache_hits']} hit / {e['compile_cache_misses']} miss"
+                  if e.get("compile_graphs") is not None else ""))
     i = rep.get("infer", {})
     if i.get("status") == "SUCCEEDED":
         print(f"  infer: {i['images']} image(s), {i['s_per_image']:.2f} s each, peak VRAM {i['vram_peak_gib']:.2f} GiB, "
@@ -287,6 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=480)
     p.add_argument("--keep", action="store_true", help="Keep the model folders.")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--match-bench", action="store_true",
+                   help="Flux: train the bench's LoRA targets (bench.models.FLUX_LORA_TARGETS) and time the engine bench's "
+                        "flux-dev-lora-8g 'ours' row (fp32 adapters, as the runner's) in a child first: the job's "
+                        "s/step against the engine's own step.")
+    p.add_argument("--fp8", action="store_true", help="A second train job with offload.weight_dtype: float8_e4m3fn.")
+    p.add_argument("--compile-jobs", type=int, default=0,
+                   help="Then this many train jobs with fp8 and offload.compile: the first compiles, the later ones "
+                        "should find inductor's graphs in the state dir's cache.")
+    p.add_argument("--extra-steps", type=int, default=4, help="LoRA steps of the --fp8 and --compile-jobs jobs.")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     worker = Worker(args.out / "home", args.device)
@@ -301,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.stop()
     ok = all(r.get("train", {}).get("status") == "SUCCEEDED" and r.get("infer", {}).get("status") == "SUCCEEDED"
-             for r in reports)
+             and all(e["status"] == "SUCCEEDED" for e in r.get("extra", [])) for r in reports)
     print("\nALL OK" if ok else "\nSOME FAILED")
     return 0 if ok else 1
 
