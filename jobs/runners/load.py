@@ -161,8 +161,15 @@ def meta_transformer(cls: Any, folder: str | Path, dtype: torch.dtype) -> torch.
 def compile_cache(run_dir: Path) -> Path:
     """offload.compile: inductor's cache folder in the state dir (<home>/cache/torch-compile), so that a
     later job, in this container or after a restart, finds the graphs compiled (seconds, not a
-    minute); a TORCHINDUCTOR_CACHE_DIR set in the job's env wins."""
-    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(run_dir).parent.parent / "cache" / "torch-compile")))
+    minute). A TORCHINDUCTOR_CACHE_DIR set in the job's env wins, unless it is inductor's own default
+    (inductor writes that into the environment of a process that compiled: a worker started from one
+    passes it on)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    if os.environ.get(key) in (None, "", default_cache_dir()):
+        os.environ[key] = str(Path(run_dir).parent.parent / "cache" / "torch-compile")
+    return Path(os.environ[key])
 
 
 def load_transformer(model_dir: str | Path, family: FamilyAdapter, dtype: torch.dtype, device: torch.device, *,
