@@ -11,7 +11,7 @@ It prints, per family: s/step against the engine floor (bytes that must cross / 
 VRAM, peak host RSS against the weight bytes, and the infer job's s/image; `--json FILE` keeps it.
 
 Flux only: `--match-bench` trains the bench's LoRA targets and times the engine bench's step for the
-same model, fp32 adapters and cap in a child first (issue 30: the job's s/step against it); `--fp8`
+same model, LoRA and cap in a child first (issue 30: the job's s/step against it); `--fp8`
 adds a train job with fp8 weights; `--compile-jobs N` adds N fp8 + offload.compile jobs (the first
 compiles, the later ones read inductor's cache in the state dir: compile seconds and cache hits).
 
@@ -185,11 +185,12 @@ def _train_report(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _engine_bench(root: Path) -> dict[str, Any]:
-    """The engine bench's flux-dev-lora-8g 'ours' row with the job's LoRA (the same dims, targets, fp32
-    adapters and cap), in a child so that this process holds none of its memory."""
+    """The engine bench's flux-dev-lora-8g 'ours' row (the same dims, LoRA targets and cap; its bf16
+    adapters compute as the job's fp32 ones do, jobs/runners/lora.compute_in_input_dtype), in a child so
+    that this process holds none of its memory."""
     out = root / "bench-ours.json"
     cmd = [sys.executable, "-m", "bench", "--workloads", "flux-dev-lora-8g", "--only", "ours", "--device", "cuda",
-           "--warmup", "2", "--repeats", "3", "--no-profile", "--lora-dtype", "fp32", "--json", str(out)]
+           "--warmup", "2", "--repeats", "3", "--no-profile", "--json", str(out)]
     print("engine bench: " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     row = next(r for r in json.loads(out.read_text())["rows"] if r["variant"] == "ours")
@@ -324,7 +325,7 @@ def _print(rep: dict[str, Any]) -> None:
     print(f"  losses {t['losses']}; samples {t['samples']}")
     b = rep.get("bench")
     if b:
-        print(f"  engine bench (flux-dev-lora-8g ours, same dims, targets, fp32 adapters and cap): {b['ms_per_step']:.1f} ms/step; "
+        print(f"  engine bench (flux-dev-lora-8g ours, same dims, targets and cap): {b['ms_per_step']:.1f} ms/step; "
               f"the job's s/step x{t['s_per_step'] * 1e3 / b['ms_per_step']:.3f} of it")
     for e in rep.get("extra", []):
         if e["status"] != "SUCCEEDED":
@@ -360,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--match-bench", action="store_true",
                    help="Flux: train the bench's LoRA targets (bench.models.FLUX_LORA_TARGETS) and time the engine bench's "
-                        "flux-dev-lora-8g 'ours' row (fp32 adapters, as the runner's) in a child first: the job's "
-                        "s/step against the engine's own step.")
+                        "flux-dev-lora-8g 'ours' row in a child first: the job's s/step against the engine's own step.")
     p.add_argument("--fp8", action="store_true", help="A second train job with offload.weight_dtype: float8_e4m3fn.")
     p.add_argument("--compile-jobs", type=int, default=0,
                    help="Then this many train jobs with fp8 and offload.compile: the first compiles, the later ones "
