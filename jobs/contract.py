@@ -142,6 +142,10 @@ class EngineStats(TypedDict, total=False):
     h2d_bytes_per_optimizer_step: float  # over the steps so far: the weights' crossings each step (train.accumulation_order)
     h2d_gbps: float
     disk_gbps: float  # a disk-backed store only (lazy_load, offload_to_disk)
+    disk_bytes: int  # a disk-backed store only, cumulative: the bytes read from the shards
+    disk_stall_ms: float  # a disk-backed store only, cumulative: the engine waiting on a read
+    disk_cache_hit_rate: float  # a disk-backed store only: uses served from its RAM cache
+    disk_cache_capacity_bytes: int  # a disk-backed store only: that cache's size (max_memory)
     stall_ms: float  # cumulative
     prefetch_misses: int
     weight_bytes: int

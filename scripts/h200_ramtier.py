@@ -65,6 +65,15 @@ def _report(job: dict[str, Any], ram: int) -> dict[str, Any]:
     gbps = last.get("disk_gbps") or 0.0
     disk_floor = 2 * max(0, streamed - cache) / (gbps * 1e9) if gbps else None
     s_per_step = statistics.median(r["step_seconds"] for r in later)
+    # what the disk store did in the later steps (cumulative counters: differences between rows)
+    pairs = list(zip(steps, steps[1:]))  # row i+1 less row i: step i+1's own (the first step's warm-up left out)
+    per_step = {k: statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs) if pairs else None
+                for k in ("disk_bytes", "disk_stall_ms")}
+    out.update({"disk_gb_per_step": per_step["disk_bytes"] / 1e9 if per_step["disk_bytes"] is not None else None,
+                "disk_floor_gb_per_step": 2 * max(0, streamed - cache) / 1e9,
+                "disk_stall_ms_per_step": per_step["disk_stall_ms"],
+                "disk_cache_hit_rate": last.get("disk_cache_hit_rate"),
+                "disk_cache_capacity_bytes": last.get("disk_cache_capacity_bytes")})
     out.update({
         "steps": len(steps), "losses": [round(r["loss"], 5) for r in steps],
         "step_seconds": [round(r["step_seconds"], 3) for r in steps], "s_per_step": s_per_step,
@@ -89,6 +98,10 @@ def _print(rep: dict[str, Any]) -> None:
     floor = rep["disk_floor_s_estimate"]
     print(f"  {rep['steps']} steps {rep['step_seconds']}; s/step {rep['s_per_step']:.2f}; disk {rep['disk_gbps']:.2f} GB/s"
           + (f"; disk floor ~{floor:.2f} s -> x{rep['x_disk_floor']:.2f}" if floor else ""))
+    if rep.get("disk_gb_per_step") is not None:
+        print(f"  disk {rep['disk_gb_per_step']:.2f} GB read a step (the floor's {rep['disk_floor_gb_per_step']:.2f}), "
+              f"the engine waited {rep['disk_stall_ms_per_step'] or 0:.0f} ms a step on reads; RAM cache "
+              f"{(rep['disk_cache_capacity_bytes'] or 0) / gib:.2f} GiB, hit rate {rep['disk_cache_hit_rate'] or 0:.2f}")
     print(f"  rows say host_store {rep['row_host_store']}; peak VRAM {(rep['vram_peak_bytes'] or 0) / gib:.2f} GiB")
     print(f"  peak host RSS {rep['rss_peak_bytes'] / gib:.2f} GiB of {rep['ram_budget_bytes'] / gib:.1f} GiB "
           f"({ {True: 'within', False: 'OVER', None: 'not judged on the CPU'}[rep['rss_within_budget']]}); by phase "
