@@ -186,13 +186,18 @@ def _toy(tiny: bool) -> Workload:
 # ---- flux-dev-lora-8g: full Flux-dev dims, LoRA training on an 8 GiB card ----------------------
 
 
-def _flux_dev_lora(tiny: bool, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
+def _flux_dev_dims(tiny: bool) -> tuple[dict[str, Any], int, int, int, int, int]:
+    """Flux-dev's widths, 19+38 blocks, 1024x1024 (64x64 tokens) and 512 text tokens (tiny: a toy of them):
+    (config, double blocks, single blocks, token side, text tokens, width)."""
     cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
     double, single = (1, 2) if tiny else (19, 38)
-    side = 16 if tiny else 64
-    txt = 16 if tiny else 512
+    return (cfg, double, single, 16 if tiny else 64, 16 if tiny else 512,
+            cfg["attention_head_dim"] * cfg["num_attention_heads"])
+
+
+def _flux_dev_lora(tiny: bool, lora_dtype: torch.dtype = torch.bfloat16) -> Workload:
+    cfg, double, single, side, txt, width = _flux_dev_dims(tiny)
     rank = 4 if tiny else 32
-    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
     return Workload(
         name="flux-dev-lora-8g",
         title=(f"Flux-dev dims LoRA r{rank}{'' if lora_dtype == torch.bfloat16 else ' (fp32 adapters)'} training, "
@@ -214,11 +219,7 @@ def _flux_dev_lora(tiny: bool, lora_dtype: torch.dtype = torch.bfloat16) -> Work
 
 
 def _flux_dev_infer(tiny: bool) -> Workload:
-    cfg = FLUX_TINY if tiny else FLUX_DEV_WIDTHS
-    double, single = (1, 2) if tiny else (19, 38)
-    side = 16 if tiny else 64
-    txt = 16 if tiny else 512
-    width = cfg["attention_head_dim"] * cfg["num_attention_heads"]
+    cfg, double, single, side, txt, width = _flux_dev_dims(tiny)
     return Workload(
         name="flux-dev-infer-8g",
         title=(f"Flux-dev dims inference (one denoising step), {double}+{single} blocks, width {width}, "
