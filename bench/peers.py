@@ -244,6 +244,9 @@ def variants_for(wl: Workload) -> list[Variant]:
         for k in (2, 4):
             out.append(ours_variant(f"ours-accum{k}", micro_batches=k, accumulation_order="micro"))
             out.append(ours_variant(f"ours-accum{k}-layer", micro_batches=k, accumulation_order="layer"))
+        # the K micro-batches' checkpointed block inputs parked in host memory until the backward (parking.py)
+        out.append(ours_variant("ours-accum4-layer-park", micro_batches=4, accumulation_order="layer",
+                                park_saved_tensors=True))
     if wl.train:
         out.append(ours_variant("serial-hooks", use_streams=False, prefetch=0))
     out += [

@@ -216,6 +216,10 @@ class OffloadSpec(_Strict):
     split_threshold_mb: Optional[float] = Field(None, gt=0.0, le=1e9, description="Units bigger than this many MB are split.")
     treat_as_inference: Optional[bool] = Field(
         None, description="Stream every weight as frozen (default: when no parameter is frozen).")
+    park_saved_tensors: Optional[bool] = Field(
+        None, description="Training: hold saved activations of 4 MiB or more (with checkpointing, each block's "
+                          "inputs) in host memory until the backward; for train.accumulation_order layer, which keeps "
+                          "every micro-batch's until its one backward (default off).")
     compile: Optional[bool] = Field(
         None, description="torch.compile each repeated block class once (regional, static shapes; with enabled "
                           "false too): the first step pays the compile (tens of seconds at Flux-dev size), later "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import FrozenWeightError, OffloadedCopyError, OffloadedEditError, copied_module_error
+from .parking import Parked, Parking
 from .seams import BinderHost
 from .slots import Slot
 from .units import Unit
@@ -352,11 +353,15 @@ class Binder:
             return t
         slot = e.ring.by_ptr.get(t.untyped_storage().data_ptr())
         if slot is None or slot.owner is None:
+            if e.parking is not None and e.parking.wants(t):  # park_saved_tensors (parking.py)
+                return e.parking.park(t)
             return t
         e.counters.saved_refs += 1
         return SlotRef(slot.owner, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def unpack_saved(self, ref: Any) -> torch.Tensor:
+        if isinstance(ref, Parked):
+            return Parking.unpark(ref)
         if not isinstance(ref, SlotRef):
             return ref
         slot = self.e.use(self.e.units[ref.uid], backward=True)

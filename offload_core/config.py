@@ -102,6 +102,11 @@ class OffloadConfig:
     # forward and backward, so each weight crosses once as for one micro-batch, with the same gradients
     # bitwise (lockstep.py)
     accumulation_order: str = "micro"
+    # Saved activations of at least 4 MiB (with checkpointing: each block's inputs) held in host memory
+    # from the forward until the backward needs them (parking.py): layer-major accumulation keeps K
+    # micro-batches' worth until its one backward (6.4 GB for K=4 at Flux-dev dims). A D2H copy in the
+    # forward beside the weights' H2D copies, an H2D copy in the backward.
+    park_saved_tensors: bool = False
     weight_dtype: str | None = None
     # With weight_dtype float8_e4m3fn: one scale per tensor, per output channel ("row") or per
     # 128 x 128 tile ("block"); quant.py. None: row (the measured trade: bench/RESULTS.md, "fp8
@@ -175,6 +180,8 @@ class OffloadConfig:
         if self.accumulation_order == "layer" and self.enable_optimizer_cpu_offload:
             raise OffloadConfigError("accumulation_order: layer needs the trainable parameters resident; "
                                      "enable_optimizer_cpu_offload streams them (use micro, or turn it off)")
+        if not isinstance(self.park_saved_tensors, bool):
+            raise OffloadConfigError(f"park_saved_tensors: expected true or false, got {self.park_saved_tensors!r}")
         for key in ("overlap_optimizer_step", "treat_as_inference"):
             if getattr(self, key) not in (None, True, False):
                 raise OffloadConfigError(f"{key}: expected true, false or null, got {getattr(self, key)!r}")

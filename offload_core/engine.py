@@ -37,6 +37,7 @@ from torch import nn
 from . import planner, registry
 from .arena import PinnedArena
 from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, pinned_limit
+from .parking import Parking
 from .binding import Binder, set_data
 from .compiled import BlockCompiler, refuse_patched
 from .config import OffloadConfig
@@ -99,6 +100,8 @@ class OffloadEngine:
         self._span_from: tuple | None = None  # (trace position, event, cycle, uid) of the last use's start
         self._removed = False
         self.lockstep: Lockstep | None = None  # while a layer-major group's forwards run (lockstep.py)
+        # park_saved_tensors: large saved activations in host memory until the backward (parking.py)
+        self.parking = Parking(self.device, self.counters) if config.park_saved_tensors else None
         self._group_depth = 0
         self.lockstep_widths: dict[int, list[int]] = {}  # per K, each round's segment length last time (lockstep.py)
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)

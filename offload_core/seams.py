@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .hoststore import HostStore
     from .lockstep import Lockstep
     from .masters import Masters
+    from .parking import Parking
     from .quant import UnitWidener
     from .schedule import Schedule
     from .slots import Slot, SlotRing
@@ -48,6 +49,7 @@ class BinderHost(Protocol):
     transfer: Transfer
     masters: Masters
     lockstep: Lockstep | None
+    parking: Parking | None  # park_saved_tensors: saved activations held in host memory (parking.py)
 
     def use(self, u: Unit, backward: bool = False) -> Slot: ...
 

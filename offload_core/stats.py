@@ -59,6 +59,8 @@ class Counters:
     accumulation_groups: int = 0  # of them, layer-major ones (accumulation_order="layer")
     lockstep_switches: int = 0  # micro-batch switches at unit entries in layer-major forwards
     lockstep_pad_nodes: int = 0  # sequence numbers skipped to order the layer-major backward (lockstep.py)
+    parked_tensors: int = 0  # park_saved_tensors: saved activations copied to host memory (parking.py)
+    parked_bytes: int = 0
 
     UNREPORTED = ("timed_h2d_bytes",)  # feeds the copy rate (h2d_gbps) only
 
@@ -109,6 +111,8 @@ class EngineStats:
     accumulation_groups: int
     lockstep_switches: int
     lockstep_pad_nodes: int
+    parked_tensors: int
+    parked_bytes: int
     steps: int
     planning: bool
     trace_length: int

@@ -78,3 +78,34 @@ def test_layer_major_lora_gradients_on_cuda(no_cudnn_sdp: None, checkpointing: b
     assert worst <= 1e-6, f"LoRA gradients differ by {worst:.3g} relative"
     # forward, then the recompute (or, without checkpointing, backward's re-fetch): twice, not 2K times
     assert per_step[-1] <= 1.1 * 2 * streamed, f"{per_step[-1] / streamed:.2f}x the streamed bytes a step"
+
+
+def test_parked_activations_on_cuda_are_the_unparked_gradients_bitwise(no_cudnn_sdp: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """park_saved_tensors on CUDA: each block's checkpointed inputs go to pinned host memory on the parking
+    stream and come back for the backward; the gradients are the unparked run's bitwise, and the
+    activations the K micro-batches keep until the backward leave the device."""
+    from offload_core import parking
+
+    monkeypatch.setattr(parking, "PARK_MIN", 4096)  # the test model's block inputs
+    case = CASES["flux"]
+    base = case.build("adapter", checkpointing=True)
+    grads, peaks, parked = [], [], []
+    for park in (False, True):
+        model = copy.deepcopy(base)
+        handle = enable_offload(model, target_device=CUDA, offload_granularity="block", prefetch=1,
+                                accumulation_order="layer", park_saved_tensors=park)
+        for step in range(2):  # the second step runs the settled plan
+            for p in model.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            handle.accumulate([1000 + 100 * step + k for k in range(K)], _loss_fn(model))
+            torch.cuda.synchronize()
+        grads.append(trainable_grads(model))
+        peaks.append(torch.cuda.max_memory_allocated())
+        parked.append(handle.stats()["parked_bytes"])
+        handle.remove()
+    print(json.dumps({"peak_bytes": peaks, "parked_bytes": parked}))
+    assert _max_rel(grads[0], grads[1]) == 0.0, "parking changed the gradients"
+    assert parked[0] == 0 and parked[1] > 0

@@ -306,3 +306,38 @@ def test_layer_major_through_the_other_host_stores(store: str, tmp_path) -> None
     _assert_grads_equal(ref, got)
     assert handle.stats()["host_store"] == {"bounce": "bounce", "disk": "disk"}[store]
     handle.remove()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+def test_parked_activations_give_the_plain_loops_gradients(monkeypatch: pytest.MonkeyPatch, checkpointing: bool,
+                                                           k: int) -> None:
+    """park_saved_tensors: the saved activations (with checkpointing, each block's inputs) go to host
+    memory in the forward and come back in the backward; the gradients stay bitwise the plain loop's."""
+    from offload_core import parking
+
+    monkeypatch.setattr(parking, "PARK_MIN", 1024)  # the tiny model's activations: park them all
+    case = CASES["flux"]
+    a = case.build("adapter", checkpointing=checkpointing)
+    b = copy.deepcopy(a)
+    ref = _plain_loop(case, a, make_optimizer(a), steps=2, k=k)
+    opt = make_optimizer(b)
+    handle = enable_offload(b, target_device="cpu", offload_granularity="block", accumulation_order="layer",
+                            park_saved_tensors=True)
+    got, _ = _accumulated(case, b, opt, handle.accumulate, steps=2, k=k)
+    _assert_grads_equal(ref, got)
+    s = handle.stats()
+    assert s["parked_tensors"] > 0 and s["parked_bytes"] >= 1024 * s["parked_tensors"], s
+    handle.remove()
+
+
+def test_park_saved_tensors_is_off_by_default_and_checked() -> None:
+    case = CASES["flux"]
+    model = case.build("adapter", checkpointing=True)
+    opt = make_optimizer(model)
+    handle = enable_offload(model, target_device="cpu", offload_granularity="block", accumulation_order="layer")
+    _accumulated(case, model, opt, handle.accumulate, steps=1, k=2)
+    assert handle.stats()["parked_tensors"] == 0
+    handle.remove()
+    with pytest.raises(OffloadConfigError, match=r"^park_saved_tensors: expected true or false"):
+        enable_offload(case.build("adapter"), target_device="cpu", park_saved_tensors="yes")

@@ -1,0 +1,92 @@
+"""Parking: large saved activations held in host memory from the forward until the backward needs them.
+
+With ``park_saved_tensors=True`` the engine's saved-tensor hooks (``Binder.pack_saved``, entered for
+every forward with grad under the engine, each layer-major worker's included) copy each saved
+activation of at least ``PARK_MIN`` bytes to host memory and let the device copy go; the backward's
+unpack copies it back on the stream that asks for it. Weights are never parked (streamed ones are
+saved as references to their unit; resident ones are parameters).
+
+Why: layer-major accumulation (lockstep.py) keeps every micro-batch's saved activations until the
+one backward, K times a single micro-batch's. With checkpointing those are each block's inputs:
+at Flux-dev dims 57 blocks x about 28 MB a micro-batch, 6.4 GB for K=4, more than an 8 GiB card
+has beside the ring. Parked, they cost a D2H copy in the forward (on a stream of its own, beside
+the weights' H2D copies: the link is full duplex) and an H2D copy in the backward.
+
+- The D2H copy waits for the tensor's producer, runs on the parking stream into pinned memory
+  (pageable where the host refuses to pin more, said once), and keeps the device memory from
+  reuse until it is done (``record_stream``); the unpack waits for it on the device.
+- Only contiguous tensors are parked: an expanded view (stride 0) would grow to its full size.
+- On the CPU (``target_device="cpu"``) a parked tensor is a copy: nothing is saved, the hooks'
+  path is the same (the CPU tests check the gradients bitwise).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PARK_MIN", "Parked", "Parking"]
+
+PARK_MIN = 4 << 20  # bytes: a block's input at Flux-dev dims is ~28 MB; the small ones are not worth a copy
+
+
+class Parked:
+    """A saved tensor's host copy, the event after its D2H copy, and where it goes back to."""
+
+    __slots__ = ("host", "event", "device")
+
+    def __init__(self, host: torch.Tensor, event: Any, device: torch.device) -> None:
+        self.host, self.event, self.device = host, event, device
+
+
+class Parking:
+    def __init__(self, device: torch.device, counters: Any) -> None:
+        self.device = device
+        self.counters = counters
+        self.is_cuda = device.type == "cuda"
+        self.pin = self.is_cuda
+        self._stream: Any = None
+
+    @staticmethod
+    def wants(t: torch.Tensor) -> bool:
+        return (not isinstance(t, nn.Parameter) and t.is_contiguous()
+                and t.numel() * t.element_size() >= PARK_MIN)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pin:
+            try:
+                return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            except RuntimeError as exc:  # the host pins no more (WSL2's cap): pageable, slower, said once
+                self.pin = False
+                warnings.warn(f"park_saved_tensors: pinning host memory failed ({str(exc).splitlines()[0]}); "
+                              "parking in pageable memory (synchronous copies)", RuntimeWarning, stacklevel=3)
+        return torch.empty(t.shape, dtype=t.dtype)
+
+    def park(self, t: torch.Tensor) -> Parked:
+        host = self._host(t)
+        event = None
+        if self.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            s = self._stream
+            s.wait_stream(torch.cuda.current_stream(t.device))  # the tensor's producer first
+            with torch.cuda.stream(s):
+                host.copy_(t, non_blocking=host.is_pinned())
+                event = torch.cuda.Event()
+                event.record(s)
+            t.record_stream(s)  # its memory is not reused before the copy is done
+        else:
+            host.copy_(t)
+        self.counters.parked_tensors += 1
+        self.counters.parked_bytes += host.numel() * host.element_size()
+        return Parked(host, event, t.device)
+
+    @staticmethod
+    def unpark(p: Parked) -> torch.Tensor:
+        if p.event is None:
+            return p.host
+        torch.cuda.current_stream(p.device).wait_event(p.event)
+        return p.host.to(p.device, non_blocking=p.host.is_pinned())
