@@ -77,7 +77,9 @@ def _input_dtype_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) 
     """A peft LoRA Linear's forward in the input's dtype (compute_in_input_dtype)."""
     import torch.nn.functional as F
 
-    if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
+    # DoRA and the other variants: peft's lora_variant (>= 0.16), use_dora before it
+    variant = getattr(self, "lora_variant", None) or any((getattr(self, "use_dora", None) or {}).values())
+    if args or kwargs or self.disable_adapters or self.merged or variant:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     out_dtype, dtype = result.dtype, x.dtype

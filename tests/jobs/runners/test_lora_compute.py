@@ -94,3 +94,16 @@ def test_merged_or_disabled_adapters_run_pefts_forward() -> None:
     for m in (net.q, net.o):
         m.enable_adapters(False)
     assert torch.equal(net(x), base(x))  # disabled: the base layers alone
+
+
+def test_dora_runs_pefts_forward() -> None:
+    torch.manual_seed(0)
+    net = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q", "o"], use_dora=True), Net())
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_" in n:  # B nonzero and a magnitude off its init: DoRA's output is not plain LoRA's
+                p.copy_(torch.randn(p.shape) * 0.3)
+    ref = copy.deepcopy(net)
+    compute_in_input_dtype(net)
+    x = torch.randn(2, 32)
+    assert torch.equal(net(x), ref(x))
