@@ -59,6 +59,10 @@ class PinnedArena:
             self.capacity_bytes += hb.nbytes  # what is registered (pinned)
             self.allocated_bytes += hb._raw.numel()  # plus up to a page of alignment skew per buffer
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The page-aligned buffers the slabs are cut from (a bounce store in register mode locks parts of them)."""
+        return [b.tensor for b in self._buffers]
+
     @property
     def pinned(self) -> bool:
         return bool(self._buffers) and all(b.pinned for b in self._buffers)

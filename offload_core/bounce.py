@@ -125,19 +125,24 @@ class _Ring:
     def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool) -> None:
         nbuf = max(limit // chunk, _MIN_BUFFERS)
         chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
-        self.chunk = chunk
+        self._common(nbuf, chunk, device)
         self.host = HostBuffer(nbuf * chunk)
         self.pinned = self.host.pin() if pin else False
         self.bufs = [self.host.tensor[i * chunk: (i + 1) * chunk] for i in range(nbuf)]
         self.ptrs = [b.data_ptr() for b in self.bufs]
-        self.nbuf = nbuf
-        self.is_cuda = device.type == "cuda"
         self.conds = [threading.Condition(threading.Lock()) for _ in range(nbuf)]
         self.filled = [-1] * nbuf  # per buffer: the sequence number whose bytes it holds
         self.consumed = [-1] * nbuf  # per buffer: the sequence number whose copy out of it is queued
         self.events: list[Any] = [None] * nbuf  # the event after that copy
         self.seq = 0  # the next sequence number to hand out (requests come from one thread at a time)
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()  # (seq, src, nbytes), or None: stop
+        self.memmove = ctypes.memmove
+        self._start([threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
+                     for i in range(max(threads, 1))])
+
+    def _common(self, nbuf: int, chunk: int, device: torch.device) -> None:
+        self.nbuf, self.chunk = nbuf, chunk
+        self.is_cuda = device.type == "cuda"
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()  # the fill threads' work, or None: stop
         self.issue: queue.SimpleQueue = queue.SimpleQueue()  # functions, or None: stop
         self.idle = threading.Condition(threading.Lock())
         self.posted = 0  # functions posted to the issuer, and finished by it
@@ -147,10 +152,10 @@ class _Ring:
         self.fill_bytes = 0
         self.fill_s = 0.0
         self.wait_s = 0.0  # the issuer waiting for a fill
-        self.memmove = ctypes.memmove
         self.hold: Callable[[int], None] = _no_hold  # a LinkPacer's hold under debug_link_gbps (link.py)
-        self.fillers = [threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
-                        for i in range(max(threads, 1))]
+
+    def _start(self, fillers: list[threading.Thread]) -> None:
+        self.fillers = fillers
         self.threads = self.fillers + [threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True)]
         for t in self.threads:
             t.start()
@@ -186,6 +191,9 @@ class _Ring:
         for t in self.threads:
             if t is not me:
                 t.join(timeout=5.0)
+        self._release()
+
+    def _release(self) -> None:
         self.host.close()
 
     # ------------------------------------------------------------------ requests
@@ -295,6 +303,169 @@ class _Ring:
                 self.idle.wait(0.05)
 
 
+class _Window:
+    """A page-aligned part of an arena buffer, registered (page-locked) in place while copies read it."""
+
+    __slots__ = ("ptr", "nbytes", "tensor", "refs", "event")
+
+    def __init__(self, ptr: int, nbytes: int, tensor: torch.Tensor) -> None:
+        self.ptr, self.nbytes, self.tensor = ptr, nbytes, tensor
+        self.refs = 0  # queued pieces that will copy out of it
+        self.event: Any = None  # after the latest copy out of it
+
+
+class _Piece:
+    """One copy of a request: ``nbytes`` at ``offset`` of a window, to ``dst_offset`` of the unit; ``ready``
+    once the registrar has the window registered (and counted this piece in its refs)."""
+
+    __slots__ = ("key", "offset", "nbytes", "dst_offset", "ready", "window")
+
+    def __init__(self, key: tuple[int, int], offset: int, nbytes: int, dst_offset: int) -> None:
+        self.key, self.offset, self.nbytes, self.dst_offset = key, offset, nbytes, dst_offset
+        self.ready = threading.Event()
+        self.window: _Window | None = None
+
+
+class _RegisterRing(_Ring):
+    """Bounce mode "register" (``OFFLOAD_BOUNCE_MODE=register``, an experiment): no bounce buffers and no
+    host memcpy. The pageable masters' buffers are cut into page-aligned windows of ``chunk`` bytes; a
+    registrar thread page-locks each window a request needs in place (cudaHostRegister; the masters are
+    on transparent huge pages, so that pins few pages), in request order, at most ``limit`` bytes at a
+    time, and unlocks the oldest idle one, once its last copy completed, to make room. The issuer copies
+    each piece straight from its window. A byte is read once, by the DMA, where the copy mode reads,
+    writes and reads it again."""
+
+    def __init__(self, limit: int, chunk: int, buffers: list[torch.Tensor], device: torch.device, pin: bool) -> None:
+        chunk = max(chunk // 4096 * 4096, 4096)
+        self._common(max(limit // chunk, _MIN_BUFFERS), chunk, device)
+        self.pin = pin and self.is_cuda
+        self.pinned = self.pin
+        self.buffers = sorted((b.data_ptr(), b.numel() * b.element_size(), b) for b in buffers)
+        self.starts = [b[0] for b in self.buffers]
+        self.cond = threading.Condition(threading.Lock())
+        self.windows: dict[tuple[int, int], _Window] = {}  # registered, oldest first
+        self.registrations = 0
+        self._start([threading.Thread(target=self._register_loop, name="bounce-register", daemon=True)])
+
+    def _wake_all(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+        with self.idle:
+            self.idle.notify_all()
+
+    def request(self, src: torch.Tensor) -> Any:
+        """The pieces of ``src`` (a slab of one of the buffers), cut at window edges, queued for registration."""
+        import bisect
+
+        self.check()
+        a, n = src.data_ptr(), src.numel() * src.element_size()
+        i = bisect.bisect_right(self.starts, a) - 1
+        if i < 0 or a + n > self.buffers[i][0] + self.buffers[i][1]:
+            raise BounceError(f"bounce store: a {n}-byte slab outside the masters' buffers")
+        base = self.buffers[i][0]
+        pieces, off = [], 0
+        while off < n:
+            k, within = divmod(a + off - base, self.chunk)
+            m = min(self.chunk - within, n - off)
+            piece = _Piece((i, k), within, m, off)
+            pieces.append(piece)
+            self.tasks.put(piece)
+            off += m
+        return pieces
+
+    def _register_loop(self) -> None:
+        rt = torch.cuda.cudart() if self.pin else None
+        try:
+            while True:
+                piece = self.tasks.get()
+                if piece is None or self.closed or self.error is not None:
+                    return
+                t0 = time.perf_counter()
+                with self.cond:
+                    w = self.windows.get(piece.key)
+                if w is None:
+                    w = self._register(piece.key, rt)
+                with self.cond:
+                    w.refs += 1
+                piece.window = w
+                piece.ready.set()
+                self.fill_s += time.perf_counter() - t0
+        except BaseException as exc:  # surfaced by the next wait, never a hang
+            self._fail(exc, "register thread")
+
+    def _register(self, key: tuple[int, int], rt: Any) -> _Window:
+        while True:  # room first: the oldest idle window, once its last copy completed, is unlocked
+            with self.cond:
+                if len(self.windows) < self.nbuf:
+                    break
+                idle = next((k for k, w in self.windows.items() if w.refs == 0), None)
+                while idle is None and not self.closed and self.error is None:
+                    self.cond.wait(0.05)
+                    idle = next((k for k, w in self.windows.items() if w.refs == 0), None)
+                if idle is None:
+                    raise BounceError("bounce store: closed")
+                old = self.windows.pop(idle)
+            self._unregister(old, rt)
+        base, size, buf = self.buffers[key[0]]
+        start = key[1] * self.chunk
+        nbytes = min(self.chunk, size - start)
+        w = _Window(base + start, nbytes, buf[start: start + nbytes])
+        if rt is not None:
+            err = int(rt.cudaHostRegister(w.ptr, nbytes, 0))
+            if err != 0:
+                from .hostmem import clear_cuda_error, cuda_error_name
+
+                clear_cuda_error()
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {cuda_error_name(err)}")
+        self.registrations += 1
+        self.fill_bytes += nbytes
+        with self.cond:
+            self.windows[key] = w
+        return w
+
+    @staticmethod
+    def _unregister(w: _Window, rt: Any) -> None:
+        if w.event is not None:
+            w.event.synchronize()  # no copy still reads it
+        if rt is not None:
+            rt.cudaHostUnregister(w.ptr)
+
+    def copy(self, job: Any, dst: torch.Tensor, stream: Any) -> None:
+        for piece in job:
+            if not piece.ready.is_set():
+                t0 = time.perf_counter()
+                while not piece.ready.wait(0.05):
+                    self.check()
+                self.wait_s += time.perf_counter() - t0
+            self.check()
+            w = piece.window
+            out = dst[piece.dst_offset: piece.dst_offset + piece.nbytes]
+            src = w.tensor[piece.offset: piece.offset + piece.nbytes]
+            if stream is not None:
+                out.copy_(src, non_blocking=True)
+                self.hold(piece.nbytes)
+                ev = torch.cuda.Event(blocking=True)
+                ev.record(stream)
+            else:
+                out.copy_(src)
+                self.hold(piece.nbytes)
+                ev = None
+            with self.cond:
+                w.event = ev
+                w.refs -= 1
+                self.cond.notify_all()
+
+    def _release(self) -> None:
+        rt = torch.cuda.cudart() if self.pin else None
+        with self.cond:
+            windows, self.windows = list(self.windows.values()), {}
+        for w in windows:
+            self._unregister(w, rt)
+
+
+BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_RegisterRing, an experiment)
+
+
 def _no_hold(nbytes: int) -> None:
     """The real link: nothing to add after a chunk's copy."""
 
@@ -315,8 +486,12 @@ class BounceStore:
         self.arena = arena
         self.reason = reason
         self.limit = int(limit)
-        self.ring = _Ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device,
-                          pin=device.type == "cuda")
+        if os.environ.get(BOUNCE_MODE_ENV, "copy") == "register":
+            self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, arena.buffers(), device,
+                                      pin=device.type == "cuda")
+        else:
+            self.ring = _Ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device,
+                              pin=device.type == "cuda")
         self._finalizer = weakref.finalize(self, self.ring.close)
         self._finalizer.atexit = False
 

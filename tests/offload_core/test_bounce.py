@@ -153,3 +153,47 @@ def test_a_bad_pinned_limit_is_named(value: object, match: str) -> None:
 def test_a_bad_thread_count_is_named() -> None:
     with pytest.raises(OffloadConfigError, match="num_copy_threads"):
         enable_offload(_mlp(1), target_device="cpu", pinned_limit=LIMIT, num_copy_threads=0)
+
+
+# ---- register mode (OFFLOAD_BOUNCE_MODE=register, an experiment): windows of the masters locked in place --
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+def test_register_mode_trains_as_resident_through_reused_windows(monkeypatch: pytest.MonkeyPatch,
+                                                                 checkpointing: bool) -> None:
+    """On the CPU a window is used without registering: the same pieces, windows, waits and evictions,
+    with a budget of 4 windows of 4 KiB, so every unit is several pieces and windows come and go."""
+    monkeypatch.setenv(bounce.BOUNCE_MODE_ENV, "register")
+    case = CASES["toy"]
+    a = case.build("adapter", checkpointing=checkpointing)
+    b = copy.deepcopy(a)
+    ref, _ = reference(case, a, mode="adapter", checkpointing=checkpointing, steps=6)
+    before = len(_bounce_threads())
+    h = enable_offload(b, target_device="cpu", offload_granularity="leaf", pinned_limit=LIMIT)
+    ring = h.engine.store.ring
+    assert isinstance(ring, bounce._RegisterRing) and len(_bounce_threads()) == before + 2  # registrar, issuer
+    got = train(case, b, make_optimizer(b), steps=6)
+    assert_traces_equal(ref, got)
+    assert ring.registrations > ring.nbuf and len(ring.windows) <= ring.nbuf  # windows came and went
+    h.remove()
+    assert len(_bounce_threads()) == before and not ring.windows
+
+
+def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bounce.BOUNCE_MODE_ENV, "register")
+    m = _mlp()
+    x = torch.randn(3, 64)
+    ref = m(x)
+    h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
+    for _ in range(2):
+        assert torch.equal(m(x), ref)
+    ring = h.engine.store.ring
+
+    def broken(key: tuple, rt: object) -> None:
+        raise OSError("cannot lock")
+
+    ring._register = broken
+    with pytest.raises(BounceError, match="register thread.*OSError: cannot lock"):
+        for _ in range(4):
+            m(x)
+    h.remove()
