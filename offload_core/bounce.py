@@ -306,36 +306,39 @@ class _Ring:
 class _Window:
     """A page-aligned part of an arena buffer, registered (page-locked) in place while copies read it."""
 
-    __slots__ = ("ptr", "nbytes", "tensor", "refs", "event")
+    __slots__ = ("ptr", "nbytes", "tensor", "refs", "event", "ready")
 
     def __init__(self, ptr: int, nbytes: int, tensor: torch.Tensor) -> None:
         self.ptr, self.nbytes, self.tensor = ptr, nbytes, tensor
-        self.refs = 0  # queued pieces that will copy out of it
+        self.refs = 0  # pieces given this window whose copies are not queued yet
         self.event: Any = None  # after the latest copy out of it
+        self.ready = threading.Event()  # registered
 
 
 class _Piece:
     """One copy of a request: ``nbytes`` at ``offset`` of a window, to ``dst_offset`` of the unit; ``ready``
-    once the registrar has the window registered (and counted this piece in its refs)."""
+    once its window is registered (and counts this piece in its refs)."""
 
-    __slots__ = ("key", "offset", "nbytes", "dst_offset", "ready", "window")
+    __slots__ = ("seq", "key", "offset", "nbytes", "dst_offset", "ready", "window")
 
-    def __init__(self, key: tuple[int, int], offset: int, nbytes: int, dst_offset: int) -> None:
-        self.key, self.offset, self.nbytes, self.dst_offset = key, offset, nbytes, dst_offset
+    def __init__(self, seq: int, key: tuple[int, int], offset: int, nbytes: int, dst_offset: int) -> None:
+        self.seq, self.key, self.offset, self.nbytes, self.dst_offset = seq, key, offset, nbytes, dst_offset
         self.ready = threading.Event()
         self.window: _Window | None = None
 
 
 class _RegisterRing(_Ring):
     """Bounce mode "register" (``OFFLOAD_BOUNCE_MODE=register``, an experiment): no bounce buffers and no
-    host memcpy. The pageable masters' buffers are cut into page-aligned windows of ``chunk`` bytes; a
-    registrar thread page-locks each window a request needs in place (cudaHostRegister; the masters are
-    on transparent huge pages, so that pins few pages), in request order, at most ``limit`` bytes at a
-    time, and unlocks the oldest idle one, once its last copy completed, to make room. The issuer copies
-    each piece straight from its window. A byte is read once, by the DMA, where the copy mode reads,
-    writes and reads it again."""
+    host memcpy. The pageable masters' buffers are cut into page-aligned windows of ``chunk`` bytes;
+    ``threads`` registrar threads page-lock the windows the requests need in place (cudaHostRegister;
+    the masters are on transparent huge pages, so that pins few pages), at most ``limit`` bytes at a
+    time. Room is taken in request order (a piece's turn), so a window is never held by a later piece
+    while an earlier one waits for room: the oldest idle window is unlocked, once its last copy
+    completed, and the locking itself runs in parallel. The issuer copies each piece straight from
+    its window. A byte is read once, by the DMA, where the copy mode reads, writes and reads it again."""
 
-    def __init__(self, limit: int, chunk: int, buffers: list[torch.Tensor], device: torch.device, pin: bool) -> None:
+    def __init__(self, limit: int, chunk: int, threads: int, buffers: list[torch.Tensor], device: torch.device,
+                 pin: bool) -> None:
         chunk = max(chunk // 4096 * 4096, 4096)
         self._common(max(limit // chunk, _MIN_BUFFERS), chunk, device)
         self.pin = pin and self.is_cuda
@@ -343,9 +346,13 @@ class _RegisterRing(_Ring):
         self.buffers = sorted((b.data_ptr(), b.numel() * b.element_size(), b) for b in buffers)
         self.starts = [b[0] for b in self.buffers]
         self.cond = threading.Condition(threading.Lock())
-        self.windows: dict[tuple[int, int], _Window] = {}  # registered, oldest first
+        self.windows: dict[tuple[int, int], _Window] = {}  # registered or being registered, oldest first
+        self.unlocking = 0  # windows taken out of the dict, not unregistered yet (they still count)
+        self.seq = 0  # the next piece's number (requests come from one thread at a time)
+        self.turn = 0  # the piece whose room is taken next
         self.registrations = 0
-        self._start([threading.Thread(target=self._register_loop, name="bounce-register", daemon=True)])
+        self._start([threading.Thread(target=self._register_loop, name=f"bounce-register-{i}", daemon=True)
+                     for i in range(max(threads, 1))])
 
     def _wake_all(self) -> None:
         with self.cond:
@@ -367,61 +374,87 @@ class _RegisterRing(_Ring):
         while off < n:
             k, within = divmod(a + off - base, self.chunk)
             m = min(self.chunk - within, n - off)
-            piece = _Piece((i, k), within, m, off)
+            piece = _Piece(self.seq, (i, k), within, m, off)
+            self.seq += 1
             pieces.append(piece)
             self.tasks.put(piece)
             off += m
         return pieces
+
+    def _stopping(self) -> bool:
+        return self.closed or self.error is not None
 
     def _register_loop(self) -> None:
         rt = torch.cuda.cudart() if self.pin else None
         try:
             while True:
                 piece = self.tasks.get()
-                if piece is None or self.closed or self.error is not None:
+                if piece is None or self._stopping():
                     return
                 t0 = time.perf_counter()
-                with self.cond:
-                    w = self.windows.get(piece.key)
+                w, mine = self._reserve(piece, rt)
                 if w is None:
-                    w = self._register(piece.key, rt)
-                with self.cond:
-                    w.refs += 1
+                    return
+                if mine:
+                    self._lock(w, rt)
+                else:
+                    while not w.ready.wait(0.05):
+                        if self._stopping():
+                            return
                 piece.window = w
                 piece.ready.set()
                 self.fill_s += time.perf_counter() - t0
         except BaseException as exc:  # surfaced by the next wait, never a hang
-            self._fail(exc, "register thread")
+            self._fail(exc, f"register thread {threading.current_thread().name}")
 
-    def _register(self, key: tuple[int, int], rt: Any) -> _Window:
-        while True:  # room first: the oldest idle window, once its last copy completed, is unlocked
+    def _reserve(self, piece: _Piece, rt: Any) -> tuple[_Window | None, bool]:
+        """In the piece's turn: its window counted for it (already there, or new, after unlocking the oldest
+        idle one if the budget is full)."""
+        key = piece.key
+        with self.cond:
+            while self.turn != piece.seq:
+                if self._stopping():
+                    return None, False
+                self.cond.wait(0.05)
+        while True:
             with self.cond:
-                if len(self.windows) < self.nbuf:
-                    break
-                idle = next((k for k, w in self.windows.items() if w.refs == 0), None)
-                while idle is None and not self.closed and self.error is None:
-                    self.cond.wait(0.05)
-                    idle = next((k for k, w in self.windows.items() if w.refs == 0), None)
+                w = self.windows.get(key)
+                if w is not None or len(self.windows) + self.unlocking < self.nbuf:
+                    mine = w is None
+                    if mine:
+                        base, size, buf = self.buffers[key[0]]
+                        start = key[1] * self.chunk
+                        nbytes = min(self.chunk, size - start)
+                        w = self.windows[key] = _Window(base + start, nbytes, buf[start: start + nbytes])
+                    w.refs += 1
+                    self.turn += 1
+                    self.cond.notify_all()
+                    return w, mine
+                idle = next((k for k, x in self.windows.items() if x.refs == 0 and x.ready.is_set()), None)
                 if idle is None:
-                    raise BounceError("bounce store: closed")
+                    if self._stopping():
+                        return None, False
+                    self.cond.wait(0.05)
+                    continue
                 old = self.windows.pop(idle)
-            self._unregister(old, rt)
-        base, size, buf = self.buffers[key[0]]
-        start = key[1] * self.chunk
-        nbytes = min(self.chunk, size - start)
-        w = _Window(base + start, nbytes, buf[start: start + nbytes])
+                self.unlocking += 1
+            try:
+                self._unregister(old, rt)
+            finally:
+                with self.cond:
+                    self.unlocking -= 1
+
+    def _lock(self, w: _Window, rt: Any) -> None:
         if rt is not None:
-            err = int(rt.cudaHostRegister(w.ptr, nbytes, 0))
+            err = int(rt.cudaHostRegister(w.ptr, w.nbytes, 0))
             if err != 0:
                 from .hostmem import clear_cuda_error, cuda_error_name
 
                 clear_cuda_error()
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {cuda_error_name(err)}")
+                raise RuntimeError(f"cudaHostRegister of {w.nbytes} bytes failed: {cuda_error_name(err)}")
         self.registrations += 1
-        self.fill_bytes += nbytes
-        with self.cond:
-            self.windows[key] = w
-        return w
+        self.fill_bytes += w.nbytes
+        w.ready.set()
 
     @staticmethod
     def _unregister(w: _Window, rt: Any) -> None:
@@ -460,7 +493,8 @@ class _RegisterRing(_Ring):
         with self.cond:
             windows, self.windows = list(self.windows.values()), {}
         for w in windows:
-            self._unregister(w, rt)
+            if w.ready.is_set():
+                self._unregister(w, rt)
 
 
 BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_RegisterRing, an experiment)
@@ -487,8 +521,8 @@ class BounceStore:
         self.reason = reason
         self.limit = int(limit)
         if os.environ.get(BOUNCE_MODE_ENV, "copy") == "register":
-            self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, arena.buffers(), device,
-                                      pin=device.type == "cuda")
+            self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), arena.buffers(),
+                                      device, pin=device.type == "cuda")
         else:
             self.ring = _Ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device,
                               pin=device.type == "cuda")

@@ -168,15 +168,15 @@ def test_register_mode_trains_as_resident_through_reused_windows(monkeypatch: py
     a = case.build("adapter", checkpointing=checkpointing)
     b = copy.deepcopy(a)
     ref, _ = reference(case, a, mode="adapter", checkpointing=checkpointing, steps=6)
-    before = len(_bounce_threads())
-    h = enable_offload(b, target_device="cpu", offload_granularity="leaf", pinned_limit=LIMIT)
+    h = enable_offload(b, target_device="cpu", offload_granularity="leaf", pinned_limit=LIMIT, num_copy_threads=3)
     ring = h.engine.store.ring
-    assert isinstance(ring, bounce._RegisterRing) and len(_bounce_threads()) == before + 2  # registrar, issuer
+    assert isinstance(ring, bounce._RegisterRing)
+    assert [t.name for t in ring.threads] == [f"bounce-register-{i}" for i in range(3)] + ["bounce-issue"]
     got = train(case, b, make_optimizer(b), steps=6)
     assert_traces_equal(ref, got)
     assert ring.registrations > ring.nbuf and len(ring.windows) <= ring.nbuf  # windows came and went
     h.remove()
-    assert len(_bounce_threads()) == before and not ring.windows
+    assert not any(t.is_alive() for t in ring.threads) and not ring.windows
 
 
 def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,11 +189,11 @@ def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.
         assert torch.equal(m(x), ref)
     ring = h.engine.store.ring
 
-    def broken(key: tuple, rt: object) -> None:
+    def broken(w: object, rt: object) -> None:
         raise OSError("cannot lock")
 
-    ring._register = broken
-    with pytest.raises(BounceError, match="register thread.*OSError: cannot lock"):
+    ring._lock = broken
+    with pytest.raises(BounceError, match="register thread bounce-register-.*OSError: cannot lock"):
         for _ in range(4):
             m(x)
     h.remove()
