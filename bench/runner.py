@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload_core.compiled import inductor_cache
+
 from .measure import free_device, host_rss, profile_copies, sync, time_steps
 from .models import tensor_bytes
 from .peers import TUNE_GRID, NotApplicable, Session, Variant, ours_variant, resident_variant
@@ -60,13 +62,6 @@ def _step_fn(wl: Workload, sess: Session, inputs: dict[str, torch.Tensor]):
         return loss.detach().clone()
 
     return train
-
-
-def _inductor_cache() -> dict[str, int]:
-    """Inductor's FX graph cache hits and misses so far in this process (0 before anything compiled)."""
-    from torch._dynamo.utils import counters
-
-    return {k: int(counters["inductor"].get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss")}
 
 
 def _numeric(stats: dict[str, Any]) -> dict[str, Any]:
@@ -180,13 +175,13 @@ def run_variant(
         if warmup:
             # the first step on its own: a compiled variant compiles in it (how many of inductor's
             # graphs came from its on-disk cache says whether that compile was cold)
-            cache0 = _inductor_cache()
+            cache0 = inductor_cache()
             t1 = time.perf_counter()
             warm_results.append(step())
             sync(device)
             row["first_step_s"] = time.perf_counter() - t1
             if variant.config.get("compile"):
-                row["inductor_cache"] = {k: v - cache0.get(k, 0) for k, v in _inductor_cache().items()}
+                row["inductor_cache"] = {k: v - cache0.get(k, 0) for k, v in inductor_cache().items()}
         warm_results += [step() for _ in range(warmup - len(warm_results))]
         # Steady state: an engine still choosing its plan (growth rounds, a retry) is not timed yet.
         while sess.planning is not None and sess.planning() and len(warm_results) < warmup + MAX_SETTLE_STEPS:

@@ -29,7 +29,7 @@ from torch import nn
 
 from .errors import OffloadConfigError
 
-__all__ = ["BlockCompiler", "compile_blocks", "refuse_patched"]
+__all__ = ["BlockCompiler", "compile_blocks", "inductor_cache", "refuse_patched"]
 
 _local = threading.local()  # .owner: the compiler whose block is running in this thread
 _owners: dict[str, weakref.ref] = {}  # compile id -> its compiler (a backward compiled later is matched by it)
@@ -87,7 +87,7 @@ def _install_callbacks() -> None:
             callback_handler.register_end_callback(_on_end)
 
 
-def _inductor_cache() -> dict[str, int]:
+def inductor_cache() -> dict[str, int]:
     """Inductor's FX-graph cache lookups so far in this process (hits: graphs a prior compile, in
     this process or another sharing the cache folder, already made; ``TORCHINDUCTOR_CACHE_DIR``)."""
     from torch._dynamo.utils import counters
@@ -117,7 +117,7 @@ class BlockCompiler:
         self.graphs = 0
         self.recompiles = 0
         self.seconds = 0.0
-        self._cache0 = _inductor_cache()  # process-wide counters: what this compiler adds is the difference
+        self._cache0 = inductor_cache()  # process-wide counters: what this compiler adds is the difference
         self._started: dict[str, float] = {}
         self._blocks: list[nn.Module] = []
         self.handles: list[Any] = []  # hooks that go with the compiled blocks (compile_blocks' call counter)
@@ -146,7 +146,7 @@ class BlockCompiler:
         return forward
 
     def stats(self) -> dict[str, Any]:
-        cache = _inductor_cache()
+        cache = inductor_cache()
         return {"compiled_blocks": len(self._blocks), "compile_graphs": self.graphs,
                 "recompiles": self.recompiles, "compile_seconds": self.seconds,
                 "compile_cache_hits": cache["hit"] - self._cache0["hit"],
