@@ -69,13 +69,19 @@ def test_training_through_the_ring_matches_resident(name: str, checkpointing: bo
     h.remove()
 
 
-def test_units_span_many_chunks_and_buffers_are_reused() -> None:
+def _mlp_through_the_ring(passes: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object]:
+    """An MLP on a ring of 4 KiB chunks, run ``passes`` times, each output bitwise the resident one."""
     m = _mlp()
     x = torch.randn(3, 64)
     ref = m(x)
     h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
-    for _ in range(3):
+    for _ in range(passes):
         assert torch.equal(m(x), ref)
+    return m, x, ref, h
+
+
+def test_units_span_many_chunks_and_buffers_are_reused() -> None:
+    m, x, ref, h = _mlp_through_the_ring(3)
     st = h.stats()
     unit_bytes = (64 * 128 + 128 + 128 * 64 + 64) * 4
     assert st["bounce_chunk_bytes"] == 4096 and unit_bytes > 8 * 4096  # each unit: many chunks
@@ -181,12 +187,7 @@ def test_register_mode_trains_as_resident_through_reused_windows(monkeypatch: py
 
 def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(bounce.BOUNCE_MODE_ENV, "register")
-    m = _mlp()
-    x = torch.randn(3, 64)
-    ref = m(x)
-    h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
-    for _ in range(2):
-        assert torch.equal(m(x), ref)
+    m, x, _, h = _mlp_through_the_ring(2)
     ring = h.engine.store.ring
 
     def broken(w: object, rt: object) -> None:
