@@ -477,6 +477,9 @@ class _RegisterRing(_Ring):
             if stream is not None:
                 out.copy_(src, non_blocking=True)
                 self.hold(piece.nbytes)
+                before = w.event
+                if before is not None:  # a copy out of this window on another stream: the new event covers it too
+                    stream.wait_event(before)
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             else:

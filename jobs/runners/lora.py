@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from jobs.runners.families import FamilyAdapter
@@ -75,8 +76,6 @@ def compute_in_input_dtype(model: torch.nn.Module) -> int:
 
 def _input_dtype_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A peft LoRA Linear's forward in the input's dtype (compute_in_input_dtype)."""
-    import torch.nn.functional as F
-
     # DoRA and the other variants: peft's lora_variant (>= 0.16), use_dora before it
     variant = getattr(self, "lora_variant", None) or any((getattr(self, "use_dora", None) or {}).values())
     if args or kwargs or self.disable_adapters or self.merged or variant:
