@@ -34,6 +34,16 @@ class OffloadHandle:
         units, growth into free memory): until this turns False, step times are not yet its own."""
         return self.engine.replanner.active
 
+    def release_growth(self) -> int:
+        """Between calls: give the device memory the ring grew into (the slots past its first plan)
+        back to torch's allocator, for what runs next in this process (a pipeline's VAE decode); the
+        model's next call takes it again. Returns the bytes given back.
+
+        >>> latents = pipe(prompt, output_type="latent").images
+        >>> handle.release_growth()
+        >>> pixels = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample"""
+        return self.engine.release_growth()
+
     def stats(self) -> dict[str, Any]:
         """The engine's record (stats.EngineStats) as a plain dict, with optimizer offload's keys."""
         record = self.engine.stats()

@@ -497,6 +497,15 @@ class OffloadEngine:
         with self.lock:
             self._prefetch(-1)
 
+    def in_call(self) -> bool:
+        """A forward of the model, or a backward pass, is running."""
+        return self._root_depth > 0 or torch._C._current_graph_task_id() != -1
+
+    def release_growth(self) -> int:
+        """The ring's slots past its first plan, back to torch's allocator until the next call (Replanner.release)."""
+        with self.lock:
+            return self.replanner.release()
+
     def bound_uids(self) -> set[int]:
         return set(self.binder.bound)
 

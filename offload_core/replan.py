@@ -6,15 +6,18 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
 - with a ``vram_budget``, ``planner.plan_budget`` spends it (what the rest of the process peaked
   at is set aside first); a budget that cannot even hold the smallest ring raises at the second
   cycle start, as soon as one cycle has been measured;
-- without one, on a card, with the prefetch depth not pinned and the cycles training steps,
-  ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
+- without one, on a card, with the prefetch depth not pinned, ``planner.plan_growth`` deepens the ring into the memory the card has free for this process. The
   growth stays only if the measured stall of the next full cycle (the fourth) fell; otherwise the
   ring goes back. Where torch's allocator had to free its cache to fit the activations next to the
   new slots, the ring gives back one slot and is judged again, down to where it started. A first
   decision that found no stall to take away, where there is room, looks again ``RETRY_AFTER``
   cycles on (twice at most): it read one cycle, and one slow cycle shows none.
-  Inference keeps its ring: a pipeline needs the card's free memory for what runs after the
-  transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
+  An inference ring grows into half the free memory only: a pipeline needs the rest for what runs
+  after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
+  Narrow weights make it worth it: with fp8 storage a cycle is nearly copy-bound, and the slots
+  past the smallest ring let the copies of the next call's first (widest) blocks run during this
+  call's last (compute-heavy) ones. ``release()`` gives the grown slots back to torch's allocator
+  (the jobs call it before a VAE decode); the next call takes them again.
 
 The engine resets the device's peak-memory statistics once, when its first cycle starts, so the
 peak it reads is this model's (activations and all). While it is deciding, it also reads the peak at
@@ -55,6 +58,8 @@ class Replanner:
         self.retry_at = 0  # the cycle at whose start the next retry is
         self.sampled_peak = 0  # the device's peak reading, taken at every use while deciding
         self._tail_task = -1  # the backward pass whose end is already queued to read the peak
+        self.restore: tuple[int, int] | None = None  # (slots, depth) release() gave back, taken again at the next call
+        self.released = 0  # times release() gave slots back
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -127,10 +132,36 @@ class Replanner:
         e.refill()  # what the new plan no longer keeps: fetch the first units now
 
     # ------------------------------------------------------------------ when
+    def release(self) -> int:
+        """Between calls: the ring back to the slots the first cycles ran on, the grown ones freed to
+        torch's allocator (cached, so what runs next in this process can take them), until the next
+        call starts and takes them again. Returns the bytes given back (0: nothing had grown, or a
+        call is running). A decision still being made ends with the plan in force."""
+        e = self.e
+        extra = len(e.ring.slots) - self.slots0
+        if extra <= 0 or not self.grow or e.in_call():
+            return 0
+        if self.active:
+            self.active = False
+            self.before = None
+            self.retry_at = 0
+        self.restore = (len(e.ring.slots), e.schedule.depth)
+        e.synchronize()  # no copy may still be landing in a slot that is freed
+        e.schedule.depth = self.depth0
+        e.ring.resize(self.slots0, keep=set(e.schedule.upcoming(self.depth0 + 1)) | e.bound_uids())
+        self.released += 1
+        e.prediction["released"] = self.released
+        return (self.restore[0] - len(e.ring.slots)) * e.ring.slot_bytes
+
     def at_cycle_start(self) -> None:
+        e, k = self.e, self.e.schedule.cycles
+        if self.restore is not None:
+            slots, depth = self.restore
+            self.restore = None
+            e.ring.resize(slots)
+            e.schedule.depth = depth  # the call's first prefetch (_prefetch_first) fills them
         if not self.active:
             return
-        e, k = self.e, self.e.schedule.cycles
         self.training &= torch.is_grad_enabled()
         if k == 1:
             device.reset_peak(e.device)  # from here on the peak is this model's: its activations and the ring
@@ -206,14 +237,13 @@ class Replanner:
         e = self.e
         stall = self.cycle_stall(k - 1)
         margin = self.margin(m)
-        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall) if self.training else None
+        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall)
         e.prediction.update(growth_room_slots=planner.growth_room(m, margin), growth_measured_stall_ms=stall,
-                            growth_busy_ms=sum(m.spans))
+                            growth_busy_ms=sum(m.spans), growth_margin_bytes=margin)
         if plan is None:
             if self.rounds == 0:
-                e.prediction["growth"] = "none: " + ("inference keeps its ring" if not self.training
-                                                     else "no free memory, or no stall to take away")
-                if self.training and self.retries < self.MAX_RETRIES and planner.growth_room(m, margin) > 0:
+                e.prediction["growth"] = "none: no free memory, or no stall to take away"
+                if self.retries < self.MAX_RETRIES and planner.growth_room(m, margin) > 0:
                     self.retries += 1
                     self.retry_at = k + self.RETRY_AFTER
                     e.prediction["growth_retries"] = self.retries
@@ -243,6 +273,11 @@ class Replanner:
         return self.e.timing.cycle_ms.get(("stall", cycle), 0.0)
 
     def margin(self, m: planner.Measurements) -> int:
+        """Device memory growth leaves free: ``vram_margin`` where set; else 5% of the limit (512 MiB at
+        least), and for inference half the room above the measured peak (what runs after the model)."""
         if self.e.config.vram_margin is not None:
             return int(self.e.config.vram_margin)
-        return max(512 << 20, int(0.05 * (m.limit_bytes or 0)))
+        base = max(512 << 20, int(0.05 * (m.limit_bytes or 0)))
+        if self.training or m.limit_bytes is None or m.peak_bytes is None:
+            return base
+        return max(base, (m.limit_bytes - m.peak_bytes) // 2)

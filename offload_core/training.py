@@ -72,6 +72,10 @@ class OffloadTrainingManager:
         """The engine is still measuring and choosing its plan (OffloadHandle.planning)."""
         return self.handle.planning
 
+    def release_growth(self) -> int:
+        """The ring's grown slots back to torch's allocator until the next step (OffloadHandle.release_growth)."""
+        return self.handle.release_growth()
+
     def stats(self) -> dict[str, Any]:
         return self.handle.stats()
 

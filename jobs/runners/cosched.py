@@ -222,7 +222,7 @@ def _pass(lead_: _Lead, ready: Any, family: FamilyAdapter, chunk: list[tuple[_Jo
 
     t0 = time.perf_counter()
     images = rnd.render_batch(family, ready.pipe, ready.vae, texts, negs, chunk[0][2], [p.seed for _, _, p in chunk],
-                              device, dtype, cap, on_step=on_step)
+                              device, dtype, cap, on_step=on_step, before_decode=ready.loaded.release_growth)
     seconds = time.perf_counter() - t0
     per_image = seconds / len(chunk)
     stats = ready.loaded.stats()

@@ -184,7 +184,8 @@ def _infer(spec: JobSpec, run_dir: Path, outputs: Path, metrics: MetricsWriter, 
     for n, p in enumerate(prompts):
         t1 = time.perf_counter()
         neg = texts.get(p.negative) if family.uses_negative else None
-        images = rnd.render(family, pipe, vae, texts[p.prompt], neg, p, device, dtype, cap)
+        images = rnd.render(family, pipe, vae, texts[p.prompt], neg, p, device, dtype, cap,
+                            before_decode=loaded.release_growth)
         seconds = time.perf_counter() - t1
         if family.is_video:
             files = rnd.save_frames(images, outputs / f"video_{n:03d}", fps=i.fps)

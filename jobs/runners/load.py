@@ -125,6 +125,11 @@ class LoadedTransformer:
             return self.handle.stats()
         return self.compiler.stats() if self.compiler is not None else {}
 
+    def release_growth(self) -> int:
+        """Before a VAE decode: the device memory the engine's ring grew into, back to torch's allocator
+        until the transformer's next call (0 without an engine)."""
+        return self.handle.release_growth() if self.handle is not None else 0
+
     @property
     def vram_budget(self) -> int | None:
         """The VRAM budget the engine was given (None: none, or no engine)."""

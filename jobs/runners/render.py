@@ -85,20 +85,22 @@ def embedding_pipeline(family: FamilyAdapter, transformer: Any, vae: Any, schedu
 
 def render(family: FamilyAdapter, pipe: Any, vae: Any, text: dict[str, torch.Tensor],
            negative: dict[str, torch.Tensor] | None, spec: PromptSpec, device: torch.device,
-           dtype: torch.dtype, vae_budget: int | None = None) -> list[Any]:
+           dtype: torch.dtype, vae_budget: int | None = None, before_decode: Any = None) -> list[Any]:
     """One prompt -> PIL images (a list of frames for Wan)."""
     return render_batch(family, pipe, vae, [text], [negative] if negative is not None else None, spec, [spec.seed],
-                        device, dtype, vae_budget)[0]
+                        device, dtype, vae_budget, before_decode=before_decode)[0]
 
 
 def render_batch(family: FamilyAdapter, pipe: Any, vae: Any, texts: list[dict[str, torch.Tensor]],
                  negatives: list[dict[str, torch.Tensor]] | None, spec: PromptSpec, seeds: list[int],
                  device: torch.device, dtype: torch.dtype, vae_budget: int | None = None,
-                 on_step: Any = None) -> list[list[Any]]:
+                 on_step: Any = None, before_decode: Any = None) -> list[list[Any]]:
     """Several prompts in one pipeline call (one pass of the weights per step for all of them) at
     `spec`'s size, steps and guidance, row b seeded with seeds[b] (its own generator, so its noise
     is the one it gets alone) -> PIL images per row. Decoded row by row: the VAE's activations stay
-    those of one image. `on_step(pipe)` runs after each denoising step (it may set `pipe._interrupt`)."""
+    those of one image. `on_step(pipe)` runs after each denoising step (it may set `pipe._interrupt`);
+    `before_decode()` between the denoising and the decode (the engine's release_growth: the VAE gets
+    the memory the transformer's ring grew into)."""
     f = family.spatial_factor(vae)
     mult = family.bucket_multiple(vae)
     width, height = max(mult, spec.width // mult * mult), max(mult, spec.height // mult * mult)
@@ -117,6 +119,8 @@ def render_batch(family: FamilyAdapter, pipe: Any, vae: Any, texts: list[dict[st
         out = pipe(height=height, width=width, num_inference_steps=spec.steps, generator=generators,
                    output_type="latent", return_dict=False, **kwargs)[0]
         latents = family.latents_from_pipeline(out, height // f, width // f)
+        if before_decode is not None:
+            before_decode()
         with component_offload(vae, device, vae_budget):
             for b in range(latents.shape[0]):
                 pixels = family.decode_latents(vae, latents[b:b + 1].to(device, vae.dtype))

@@ -74,9 +74,10 @@ class _Samples:
 
     def __init__(self, family: FamilyAdapter, vae: Any, scheduler: Any, prompts: list[rnd.PromptSpec],
                  texts: dict[str, dict[str, torch.Tensor]], out: Path, device: torch.device, dtype: torch.dtype,
-                 budget: int | None) -> None:
+                 budget: int | None, before_decode: Any = None) -> None:
         self.family, self.vae, self.scheduler, self.prompts, self.texts = family, vae, scheduler, prompts, texts
         self.out, self.device, self.dtype, self.budget = out, device, dtype, budget
+        self.before_decode = before_decode  # the engine's release_growth: the VAE gets the ring's grown slots
         self.last: list[str] = []
 
     def render(self, transformer: torch.nn.Module, step: int) -> list[str]:
@@ -90,7 +91,7 @@ class _Samples:
             for n, p in enumerate(self.prompts):
                 neg = self.texts.get(p.negative) if self.family.uses_negative else None
                 images = rnd.render(self.family, pipe, self.vae, self.texts[p.prompt], neg, p, self.device,
-                                    self.dtype, self.budget)
+                                    self.dtype, self.budget, before_decode=self.before_decode)
                 if self.family.is_video:
                     paths = rnd.save_frames(images, folder / f"step{step:06d}_{n:02d}", fps=16)
                     written.append(str(next(q for q in paths if q.suffix == ".gif")))
@@ -190,7 +191,8 @@ class TrainRecipe:
         if self.t.ema is not None and self.ema is None:
             self.ema = {n: v.float() for n, v in trainable_state(self.model).items()}
         self.samples = (_Samples(self.family, self.vae, self.scheduler, self.prompts, self.texts, self.outputs,
-                                 self.device, self.dtype, self.cap) if self.vae is not None else None)
+                                 self.device, self.dtype, self.cap, self.loaded.release_growth)
+                        if self.vae is not None else None)
 
     def _precompute(self) -> None:
         t, family, items = self.t, self.family, self.items

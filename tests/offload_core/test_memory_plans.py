@@ -212,14 +212,58 @@ def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, mon
     mgr.remove()
 
 
-def test_inference_keeps_its_ring_on_a_card(card: dict) -> None:
-    # a pipeline needs the card's free memory for the VAE after the transformer: no growth
+def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card: dict,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline needs memory after the transformer (the VAE decode): an inference ring grows into
+    half the free room only, and release_growth() hands the grown slots back until the next call,
+    which takes them again. Outputs stay bitwise the resident model's throughout."""
+    from offload_core.replan import Replanner
+
+    calls = []
+
+    def falling(self, cycle: int) -> float:
+        # the CPU's copies are synchronous (no stall measured apart): stand in a stall that growth cuts
+        calls.append(cycle)
+        return 1000.0 / len(calls)
+
+    monkeypatch.setattr(Replanner, "cycle_stall", falling)
+    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
     case = CASES["toy"]
     model = case.build("frozen")
+    ref = copy.deepcopy(model)
+    seeds = tuple(range(8))
+    want = infer(case, ref, seeds=seeds)
     h = enable_offload(model, target_device="cpu")
-    infer(case, model, seeds=tuple(range(6)))
-    assert h.stats()["prefetch_depth"] == 2 and h.stats()["slot_count"] == 3
+    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    st = h.stats()
+    plan = st["plan"]
+    assert st["slot_count"] > 3 and st["prefetch_depth"] == st["slot_count"] - 1, plan
+    room = card["limit"] - card["peak"]
+    assert plan["growth_margin_bytes"] == room // 2, "half the room above the peak stays free"
+    assert plan["planned_device_bytes"] <= card["limit"] - room // 2, plan
+    grown = st["slot_count"]
+    assert h.release_growth() == (grown - 3) * st["slot_bytes"]
+    assert (h.stats()["slot_count"], h.stats()["prefetch_depth"]) == (3, 2)
+    assert h.release_growth() == 0, "nothing left to give back"
+    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
+    assert h.stats()["plan"]["released"] == 1
     h.remove()
+
+
+def test_training_grows_past_half_the_room(card: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training leaves only the margin free (the step's activations are in the measured peak)."""
+    from offload_core.replan import Replanner
+
+    calls = []
+    monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: calls.append(c) or 1000.0 / len(calls))
+    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
+    case = CASES["toy"]
+    off = case.build("adapter")
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
+    train(case, off, make_optimizer(off), steps=8)
+    assert mgr.stats()["plan"]["growth_margin_bytes"] == 512 * MiB, "the default margin, not half the room"
+    mgr.remove()
 
 
 def test_prefetch_pinned_never_grows(card: dict) -> None:
