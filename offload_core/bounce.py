@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .arena import PinnedArena
-from .errors import OffloadError
+from .errors import OffloadConfigError, OffloadError
 from .hostmem import HostBuffer
 from .units import Unit
 
@@ -503,6 +503,16 @@ class _RegisterRing(_Ring):
 BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_RegisterRing, an experiment)
 
 
+def bounce_mode() -> str:
+    """``OFFLOAD_BOUNCE_MODE``: "copy" (unset or empty) or "register"; anything else is a named error
+    (the engine reads it before it touches the model)."""
+    raw = os.environ.get(BOUNCE_MODE_ENV, "")
+    mode = raw.strip().lower() or "copy"
+    if mode not in ("copy", "register"):
+        raise OffloadConfigError(f"{BOUNCE_MODE_ENV}={raw!r}: expected copy or register")
+    return mode
+
+
 def _no_hold(nbytes: int) -> None:
     """The real link: nothing to add after a chunk's copy."""
 
@@ -523,7 +533,7 @@ class BounceStore:
         self.arena = arena
         self.reason = reason
         self.limit = int(limit)
-        if os.environ.get(BOUNCE_MODE_ENV, "copy") == "register":
+        if bounce_mode() == "register":
             self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), arena.buffers(),
                                       device, pin=device.type == "cuda")
         else:

@@ -198,3 +198,13 @@ def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.
         for _ in range(4):
             m(x)
     h.remove()
+
+
+def test_a_misspelt_bounce_mode_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bounce.BOUNCE_MODE_ENV, "regster")
+    m = _mlp(1)
+    x = torch.randn(2, 64)
+    want = m(x)
+    with pytest.raises(OffloadConfigError, match="OFFLOAD_BOUNCE_MODE='regster': expected copy or register"):
+        enable_offload(m, target_device="cpu", pinned_limit=LIMIT)
+    assert torch.equal(m(x), want), "the model is left as it was"
