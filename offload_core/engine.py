@@ -47,7 +47,8 @@ from .hostmem import trim_host_heap
 from .link import LinkPacer
 from .lockstep import Lockstep
 from .masters import Masters
-from .quant import UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into, widen_resident_fp8
+from .quant import (UnitWidener, adopt_native_fp8, assign_storage, compute_dtype_of, pack_into, stored_value,
+                    widen_resident_fp8)
 from .replan import Replanner
 from .schedule import Schedule
 from .slots import Slot, SlotRing
@@ -131,9 +132,22 @@ class OffloadEngine:
         adopt_native_fp8(self.streamed, compute)
         self.lossy = assign_storage(self.streamed, config.weight_dtype, config.resolved_fp8_scaling)
 
+        self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
+        self.compiler: BlockCompiler | None = None
+        try:
+            self._build(model, residency, depth, blocks, compute)
+        except BaseException:
+            self._undo_setup()  # the model as it was given, then the failure
+            raise
+        self.setup_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ setup
+    def _build(self, model: nn.Module, residency: Any, depth: int, blocks: list[nn.Module], compute: Any) -> None:
+        """Setup from the host store on: the weights move (packed, or read from a checkpoint), the ring,
+        the hooks. Whatever fails in here, ``_undo_setup`` gives the model back as it was."""
+        config = self.config
         # The host store of the streamed units; it may give meta tensors their values (weights,
         # lazy_load) and turn units the shards lack resident.
-        self._resident_moved: list[tuple[nn.Module, str, bool, torch.device]] = []
         self.store: HostStore = self._make_store()
         self.streamed = [u for u in self.units if u.streamed]
         # weights that train are streamed (optimizer offload): a step's bookkeeping starts in model.forward()
@@ -185,9 +199,42 @@ class OffloadEngine:
         registry.note(model, self)
         self._finalizer = weakref.finalize(self, _quiesce, self.transfer.streams)
         self._finalizer.atexit = False
-        self.setup_seconds = time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ setup
+    def _undo_setup(self) -> None:
+        """Setup failed part way: each streamed tensor that already holds a placeholder gets its value
+        back on the host (from the host store; a model given on the meta device gets meta tensors
+        again), the tensors moved to the device go back, and hooks and host memory are released."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.compiler is not None:
+            self.compiler.remove()
+        store = getattr(self, "store", None)
+        filled = bool(getattr(store, "filled", False))
+        held = {ph.data_ptr() for ph in self.binder._placeholders.values()}
+        for u in self.streamed:
+            for i, ts in enumerate(u.tensors):
+                obj = ts.tensor()
+                if obj is None or obj.device.type == "meta" or obj.data_ptr() not in held:
+                    continue
+                if store is None or filled:
+                    value = torch.empty(ts.shape, dtype=ts.dtype, device="meta")
+                    table = ts.module._parameters if ts.is_param else ts.module._buffers
+                    table[ts.attr] = (nn.Parameter(value, requires_grad=obj.requires_grad)
+                                      if isinstance(obj, nn.Parameter) else value)
+                else:
+                    obj.data = stored_value(store, u, i).clone().reshape(ts.shape)
+        for m, attr, is_param, dev in self._resident_moved:
+            t = (m._parameters if is_param else m._buffers)[attr]
+            if t is not None:
+                t.data = t.data.to(dev)
+        self._resident_moved.clear()
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # the first failure is the one to see
+                pass
+
     def _make_store(self) -> HostStore:
         """The host store of the streamed units (setup only; the hot path sees the HostStore calls).
 

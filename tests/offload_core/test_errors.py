@@ -118,6 +118,33 @@ def test_error_at_setup_leaves_a_working_model() -> None:
     handle.remove()
 
 
+@pytest.mark.parametrize("where", ["ring", "hooks", "masters"])
+def test_a_failure_after_the_weights_moved_gives_the_model_back(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A setup that fails once the weights are packed (the ring's device memory, the hooks, the state_dict
+    hooks): every tensor holds its value again, no hook is left, and a second setup streams bitwise."""
+    from offload_core import engine as engine_mod
+
+    case = CASES["flux"]
+    ref_model = case.build("frozen")
+    model = case.build("frozen")
+    before, hooks = snapshot(model), hook_counts(model)
+    target = {"ring": "SlotRing", "hooks": "Replanner", "masters": "Masters"}[where]
+    real = getattr(engine_mod, target)  # "masters" comes after the forward hooks went on
+
+    def broken(*a, **k):
+        raise RuntimeError(f"CUDA out of memory ({where})")
+
+    monkeypatch.setattr(engine_mod, target, broken)
+    with pytest.raises(RuntimeError, match=f"out of memory \\({where}\\)"):
+        enable_offload(model, target_device="cpu", offload_granularity="leaf")
+    monkeypatch.setattr(engine_mod, target, real)
+    assert_state_equal(before, model, "after a failed setup")
+    assert hook_counts(model) == hooks
+    handle = enable_offload(model, target_device="cpu", offload_granularity="leaf")
+    assert_bitwise(infer(case, ref_model), infer(case, model), "output after a failed then a good setup")
+    handle.remove()
+
+
 def test_unfreezing_a_streamed_weight_after_offloading_raises_and_leaves_the_model_intact() -> None:
     # The engine streams weights frozen at setup as plain views, which get no gradient: a weight the
     # user unfreezes afterwards would silently not train. It raises, naming it, before any compute.
