@@ -7,6 +7,8 @@ at several chunk sizes and fill-thread counts, with two fill kernels (libc memmo
 which releases the GIL, and torch's copy_); `register` pins each chunk of the pageable source in place
 (cudaHostRegister, at most the ring's bytes at a time) and copies from there: no host memcpy. `--load`
 runs an engine-like thread of small torch ops beside each and prints its rate against it alone.
+`--cores all,spare`: the copy threads on any CPU, or (spare) off the calling thread's core and its SMT
+siblings, as OFFLOAD_BOUNCE_CORES=spare keeps the engine's (offload_core/bounce.py, _spare_cpus).
 
 Measured on the H200 host (16 cores, 2026-12-04, 4 GiB of pageable weights, ring 256 MiB):
 pinned H2D 55.3 GB/s, pageable H2D 7.5; the ring at 16 MiB chunks with 16 memmove threads 48.6 GB/s
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +55,13 @@ def pageable_h2d(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> float:
     return _rate(src.numel(), time.perf_counter() - t)
 
 
+CPUS: set[int] | None = None  # --cores spare: the CPUs the copy threads keep to
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, initializer=(lambda: os.sched_setaffinity(0, CPUS)) if CPUS else None)
+
+
 def bounce(src: torch.Tensor, dst: torch.Tensor, ring: int, chunk: int, threads: int, kernel: str) -> float:
     nbuf = max(ring // chunk, 2)
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
@@ -77,7 +87,7 @@ def bounce(src: torch.Tensor, dst: torch.Tensor, ring: int, chunk: int, threads:
 
     torch.cuda.synchronize()
     t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
+    with _pool(threads) as pool:
         futs = [pool.submit(fill, i) for i in range(len(chunks))]
         with torch.cuda.stream(stream):
             for i, (o, m) in enumerate(chunks):
@@ -125,7 +135,7 @@ def register(src: torch.Tensor, dst: torch.Tensor, ring: int, chunk: int, thread
 
     torch.cuda.synchronize()
     t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(2) as unpool:
+    with _pool(threads) as pool, _pool(2) as unpool:
         futs = [pool.submit(reg, i) for i in range(len(chunks))]
         with torch.cuda.stream(stream):
             for i, (o, m) in enumerate(chunks):
@@ -154,6 +164,8 @@ class Load:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        if CPUS:  # the engine's thread: on the core the copy threads keep off
+            os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - CPUS)
         a, b = self.a, self.b
         while not self.stop.is_set():
             for _ in range(100):
@@ -181,6 +193,7 @@ def main() -> None:
     ap.add_argument("--chunks-mib", default="4,8,16,32,64")
     ap.add_argument("--threads", default="4,8,16")
     ap.add_argument("--modes", default="memmove,copy_", help="memmove, copy_ (bounce buffers), register (pin in place)")
+    ap.add_argument("--cores", default="all", help="all, spare, or both (all,spare): where the copy threads run")
     ap.add_argument("--load", action="store_true", help="run an engine-like thread of small torch ops beside each "
                     "config and print its rate against it alone (how much the copies slow the engine's own thread)")
     args = ap.parse_args()
@@ -201,28 +214,35 @@ def main() -> None:
         with Load() as ld:
             time.sleep(2.0)
         alone = ld.rate()
-    for kernel in [k.strip() for k in args.modes.split(",") if k.strip()]:
-        for c in [int(x) for x in args.chunks_mib.split(",")]:
-            for th in [int(x) for x in args.threads.split(",")]:
-                if (ring // (c << 20)) < 2:
-                    continue
-                dst.zero_()
+    global CPUS
+    from offload_core import bounce as ob
 
-                def once() -> float:
-                    if kernel == "register":
-                        return register(src, dst, ring, c << 20, th)
-                    return bounce(src, dst, ring, c << 20, th, kernel)
+    combos = [(cores, kernel, c, th) for cores in args.cores.split(",")
+              for kernel in [k.strip() for k in args.modes.split(",") if k.strip()]
+              for c in [int(x) for x in args.chunks_mib.split(",")] for th in [int(x) for x in args.threads.split(",")]]
+    for cores, kernel, c, th in combos:
+        os.environ[ob.BOUNCE_CORES_ENV] = cores.strip()
+        CPUS = ob._spare_cpus()
+        if (ring // (c << 20)) < 2:
+            continue
+        dst.zero_()
 
-                load = ""
-                if args.load:
-                    with Load() as ld:
-                        r = max(once() for _ in range(2))
-                    load = f"   engine-like thread at {ld.rate() / alone:.2f}x its rate alone"
-                else:
-                    r = max(once() for _ in range(2))
-                ok = torch.equal(dst[-4096:].cpu(), src[-4096:]) and torch.equal(dst[:4096].cpu(), src[:4096])
-                name = "register in place" if kernel == "register" else f"bounce {kernel}"
-                rows.append((f"{name} ring {args.ring_mib}MiB chunk {c}MiB threads {th}{'' if ok else ' WRONG'}", r, load))
+        def once() -> float:
+            if kernel == "register":
+                return register(src, dst, ring, c << 20, th)
+            return bounce(src, dst, ring, c << 20, th, kernel)
+
+        load = ""
+        if args.load:
+            with Load() as ld:
+                r = max(once() for _ in range(2))
+            load = f"   engine-like thread at {ld.rate() / alone:.2f}x its rate alone"
+        else:
+            r = max(once() for _ in range(2))
+        ok = torch.equal(dst[-4096:].cpu(), src[-4096:]) and torch.equal(dst[:4096].cpu(), src[:4096])
+        name = "register in place" if kernel == "register" else f"bounce {kernel}"
+        where = f" on {len(CPUS)} spare cpus" if CPUS else ""
+        rows.append((f"{name} ring {args.ring_mib}MiB chunk {c}MiB threads {th}{where}{'' if ok else ' WRONG'}", r, load))
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {n / 1e9:.2f} GB")
     for name, r, *load in rows:
         print(f"{name:60s} {r:7.2f} GB/s{load[0] if load else ''}")

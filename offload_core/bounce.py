@@ -136,8 +136,7 @@ class _Ring:
         self.events: list[Any] = [None] * nbuf  # the event after that copy
         self.seq = 0  # the next sequence number to hand out (requests come from one thread at a time)
         self.memmove = ctypes.memmove
-        self._start([threading.Thread(target=self._fill_loop, name=f"bounce-fill-{i}", daemon=True)
-                     for i in range(max(threads, 1))])
+        self._start(self._fill_loop, "bounce-fill", threads)
 
     def _common(self, nbuf: int, chunk: int, device: torch.device) -> None:
         self.nbuf, self.chunk = nbuf, chunk
@@ -153,12 +152,28 @@ class _Ring:
         self.fill_s = 0.0
         self.wait_s = 0.0  # the issuer waiting for a fill
         self.hold: Callable[[int], None] = _no_hold  # a LinkPacer's hold under debug_link_gbps (link.py)
+        self.cpus = _spare_cpus()  # OFFLOAD_BOUNCE_CORES=spare: the CPUs the threads keep to (None: any)
 
-    def _start(self, fillers: list[threading.Thread]) -> None:
-        self.fillers = fillers
-        self.threads = self.fillers + [threading.Thread(target=self._issue_loop, name="bounce-issue", daemon=True)]
+    def _start(self, loop: Callable[[], None], name: str, n: int) -> None:
+        """``n`` threads running ``loop`` (named name-0, name-1, ...), and the issuer."""
+        self.fillers = [threading.Thread(target=self._on_cpus(loop), name=f"{name}-{i}", daemon=True)
+                        for i in range(max(n, 1))]
+        self.threads = self.fillers + [threading.Thread(target=self._on_cpus(self._issue_loop), name="bounce-issue",
+                                                        daemon=True)]
         for t in self.threads:
             t.start()
+
+    def _on_cpus(self, loop: Callable[[], None]) -> Callable[[], None]:
+        if self.cpus is None:
+            return loop
+
+        def run() -> None:
+            try:
+                os.sched_setaffinity(0, self.cpus)  # this thread only (Linux: pid 0 is the calling thread)
+            except OSError:
+                pass
+            loop()
+        return run
 
     # ------------------------------------------------------------------ errors and shutdown
     def check(self) -> None:
@@ -351,8 +366,7 @@ class _RegisterRing(_Ring):
         self.seq = 0  # the next piece's number (requests come from one thread at a time)
         self.turn = 0  # the piece whose room is taken next
         self.registrations = 0
-        self._start([threading.Thread(target=self._register_loop, name=f"bounce-register-{i}", daemon=True)
-                     for i in range(max(threads, 1))])
+        self._start(self._register_loop, "bounce-register", threads)
 
     def _wake_all(self) -> None:
         with self.cond:
@@ -513,12 +527,53 @@ def bounce_mode() -> str:
     return mode
 
 
+BOUNCE_CORES_ENV = "OFFLOAD_BOUNCE_CORES"  # "all" (the default) or "spare" (an experiment: _spare_cpus)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cpu_list(text: str) -> set[int]:
+    """Linux's CPU list format ("0-3,8,10-11") -> the CPU numbers."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.update(range(int(a), int(b) + 1))
+        elif part.strip():
+            out.add(int(part))
+    return out
+
+
+def _spare_cpus() -> set[int] | None:
+    """The CPUs the copy threads may run on under ``OFFLOAD_BOUNCE_CORES=spare``: this process's, less
+    the core the calling thread (the engine's, which launches the kernels) runs on now and that
+    core's SMT siblings, so that no fill shares a core with it (a sibling's memcpy halves its
+    instruction rate). None where that is unknown or would leave fewer than two CPUs (all of them)."""
+    if os.environ.get(BOUNCE_CORES_ENV, "all").strip().lower() != "spare" or not hasattr(os, "sched_getaffinity"):
+        return None
+    stat = _read("/proc/thread-self/stat")
+    try:
+        cpu = int(stat.rsplit(")", 1)[1].split()[36])  # field 39, "processor"
+    except (IndexError, ValueError):
+        return None
+    siblings = _cpu_list(_read(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")) or {cpu}
+    rest = set(os.sched_getaffinity(0)) - siblings - {cpu}
+    return rest if len(rest) >= 2 else None
+
+
 def _no_hold(nbytes: int) -> None:
     """The real link: nothing to add after a chunk's copy."""
 
 
 def _default_threads() -> int:
-    return max(1, min(16, os.cpu_count() or 1))
+    cpus = _spare_cpus()
+    return max(1, min(16, len(cpus) if cpus else os.cpu_count() or 1))
 
 
 class BounceStore:

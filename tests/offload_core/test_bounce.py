@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
 
 import pytest
@@ -208,3 +209,28 @@ def test_a_misspelt_bounce_mode_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(OffloadConfigError, match="OFFLOAD_BOUNCE_MODE='regster': expected copy or register"):
         enable_offload(m, target_device="cpu", pinned_limit=LIMIT)
     assert torch.equal(m(x), want), "the model is left as it was"
+
+
+# ---- OFFLOAD_BOUNCE_CORES=spare (an experiment): the copy threads keep off the engine thread's core --
+
+
+def test_spare_cores_leave_out_the_calling_threads_core_and_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    files = {"/proc/thread-self/stat": "4242 (python3 (x)) R " + " ".join(["0"] * 35) + " 3 0 0",
+             "/sys/devices/system/cpu/cpu3/topology/thread_siblings_list": "3,11\n"}
+    monkeypatch.setattr(bounce, "_read", lambda path: files.get(path, ""))
+    monkeypatch.setattr(bounce.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert bounce._spare_cpus() is None, "off unless asked for"
+    monkeypatch.setenv(bounce.BOUNCE_CORES_ENV, "spare")
+    assert bounce._spare_cpus() == set(range(16)) - {3, 11}
+    assert bounce._cpu_list("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
+    monkeypatch.setattr(bounce.os, "sched_getaffinity", lambda pid: {3, 11, 4})
+    assert bounce._spare_cpus() is None, "fewer than two CPUs left: any CPU"
+
+
+def test_the_copy_threads_run_on_the_spare_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = {max(os.sched_getaffinity(0))}
+    monkeypatch.setattr(bounce, "_spare_cpus", lambda: cpus)
+    m, x, _, h = _mlp_through_the_ring(2)  # bitwise through the ring
+    ring = h.engine.store.ring
+    assert len(ring.threads) == 2 and all(os.sched_getaffinity(t.native_id) == cpus for t in ring.threads)
+    h.remove()
