@@ -83,6 +83,38 @@ def test_concurrent_claims_across_engines_take_each_job_once(pg_url: str) -> Non
         st.close()
 
 
+def test_batch_member_claims_by_id_race_once_each_across_engines(pg_url: str) -> None:
+    """claim_job (a co-scheduled batch's leader claiming its members by id) on Postgres: workers racing
+    for the same ids each take a job once, with one attempt; a cancelled or taken job is not claimed."""
+    stores = [JobStore(pg_url) for _ in range(4)]
+    ids = [_job(stores[0], f"m{i}")["id"] for i in range(40)]
+    gone = _job(stores[0], "gone")
+    stores[0].request_cancel(gone["id"])  # still PENDING: cancelled at once
+    claimed: list[tuple[str, str]] = []
+    rows: list[bool] = []  # each claimed row as the claimer wrote it
+    lock = threading.Lock()
+
+    def run(st: JobStore, wid: str) -> None:
+        for i in ids + [gone["id"]]:  # every worker goes for every id, in the same order
+            got = st.claim_job(i, worker_id=wid, lease_s=30, run_root="/runs")
+            if got is not None:
+                with lock:
+                    claimed.append((got["id"], wid))
+                    rows.append((got["status"], got["worker_id"], got["run_dir"]) == ("STARTING", wid, f"/runs/{i}"))
+
+    threads = [threading.Thread(target=run, args=(st, f"w{n}")) for n, st in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(i for i, _ in claimed) == sorted(ids), "each member once, the cancelled one never"
+    assert all(rows) and len(rows) == len(ids), "STARTING, the claimer's worker id, its run dir"
+    assert all(len(stores[0].attempts(i)) == 1 for i in ids)
+    assert stores[1].claim_job(ids[0], worker_id="late") is None, "a claimed job is not claimed again"
+    for st in stores:
+        st.close()
+
+
 def test_a_reaped_attempt_is_fenced_everywhere(pg: JobStore) -> None:
     j = _job(pg)
     pg.claim_next(gpu_slots=0, cpu_slots=1, worker_id="a", lease_s=30)
