@@ -329,3 +329,40 @@ def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step()
         assert st["plan"]["growth_room_slots"] <= true_room, (st["plan"], peaks)
         assert max(peaks) <= cap - 256 * MiB, "the ring grew into the safety margin"
         mgr.remove()
+
+
+def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae() -> None:
+    # Copy-bound inference (403 MB blocks, 256 tokens) under a 4 GiB cap: the ring grows, leaving half
+    # the room above the measured peak free; release_growth() then hands the grown slots to torch's
+    # allocator, so what a pipeline runs next (a VAE decode) can take them; the next call takes them back.
+    d, heads, depth, tokens = 4096, 32, 8, 256
+    torch.manual_seed(0)
+    ref = DiT(d, heads, depth).to(torch.bfloat16).eval().requires_grad_(False)
+    x = torch.randn(1, tokens, d, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref.to(CUDA)(x.to(CUDA)).cpu()
+    ref.cpu()
+    _fresh()
+    cap = 4 << 30
+    with _capped(cap) as limit, torch.no_grad():
+        h = enable_offload(ref, target_device=CUDA, offload_granularity="block")
+        outs = [ref(x.to(CUDA)).cpu() for _ in range(8)]
+        st = h.stats()
+        plan = st["plan"]
+        grown = st["slot_count"]
+        before = torch.cuda.memory_allocated()
+        freed = h.release_growth()
+        after = torch.cuda.memory_allocated()
+        _report("inference_growth", {"cap": cap, "slots": grown, "depth": st["prefetch_depth"], "freed": freed,
+                                     "allocated_before": before, "allocated_after": after,
+                                     "plan": {k: v for k, v in plan.items() if isinstance(v, (int, float, str))}})
+        assert all(torch.equal(o, want) for o in outs), "outputs differ from resident"
+        assert grown > 3 and plan["chosen_by"].startswith("free memory"), plan
+        assert plan["planned_device_bytes"] <= limit - plan["growth_margin_bytes"]
+        assert plan["growth_margin_bytes"] >= max(512 * MiB, int(0.05 * limit))
+        assert freed == (grown - 3) * st["slot_bytes"] and before - after == freed
+        vae = torch.empty(freed + (plan["growth_margin_bytes"] // 2), dtype=torch.uint8, device=CUDA)  # fits now
+        del vae
+        assert torch.equal(ref(x.to(CUDA)).cpu(), want)
+        assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
+        h.remove()
