@@ -148,6 +148,7 @@ class EngineStats(TypedDict, total=False):
     disk_cache_capacity_bytes: int  # a disk-backed store only: that cache's size (max_memory)
     stall_ms: float  # cumulative
     prefetch_misses: int
+    planning: bool  # the engine is still measuring its first steps and choosing its ring: not its own speed yet
     weight_bytes: int
     streamed_bytes: int
     resident_bytes: int

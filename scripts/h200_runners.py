@@ -152,12 +152,19 @@ def _records(job: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _steady(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steady state: the steps after the engine chose its ring (rows say `planning`; at least two),
+    else the later half (rows of an engine before that field)."""
+    settled = [r for r in steps[1:] if r.get("planning") is False]
+    return settled if len(settled) >= 2 else steps[len(steps) // 2:] or steps
+
+
 def _train_report(job: dict[str, Any]) -> dict[str, Any]:
     recs = _records(job)
     steps = [r for r in recs if "loss" in r]
     load = next((r for r in recs if r.get("phase") == "load"), {})
     summary = json.loads((Path(job["run_dir"]) / "outputs" / "train_summary.json").read_text())
-    later = steps[len(steps) // 2:] or steps  # the steady state: the engine grows its ring over the first cycles
+    later = _steady(steps)
     per_step_h2d = [b["h2d_bytes"] - a["h2d_bytes"] for a, b in zip(steps, steps[1:])] or [steps[0]["h2d_bytes"]]
     streamed = steps[-1].get("streamed_bytes", 0)
     must_cross = 2 * streamed  # checkpointed LoRA training: forward, then the recompute that backward shares
@@ -215,7 +222,7 @@ def _extra_jobs(train: dict[str, Any], args: argparse.Namespace, worker: Worker)
             rep["log_tail"] = (Path(job["run_dir"]) / "output.log").read_text(errors="replace")[-3000:]
         else:
             steps = [r for r in _records(job) if "loss" in r]
-            later = steps[len(steps) // 2:] or steps
+            later = _steady(steps)
             first, last = steps[0], steps[-1]
             rep.update(s_per_step=statistics.median(r["step_seconds"] for r in later),
                        step_seconds=[round(r["step_seconds"], 3) for r in steps],
