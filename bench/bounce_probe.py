@@ -228,9 +228,17 @@ def main() -> None:
         dst.zero_()
 
         def once() -> float:
-            if kernel == "register":
-                return register(src, dst, ring, c << 20, th)
-            return bounce(src, dst, ring, c << 20, th, kernel)
+            # this thread issues the copies, as the engine's bounce-issue thread does: on the spare CPUs too,
+            # leaving the excluded core to the engine-like thread (--load)
+            everywhere = os.sched_getaffinity(0)
+            if CPUS:
+                os.sched_setaffinity(0, CPUS)
+            try:
+                if kernel == "register":
+                    return register(src, dst, ring, c << 20, th)
+                return bounce(src, dst, ring, c << 20, th, kernel)
+            finally:
+                os.sched_setaffinity(0, everywhere)
 
         load = ""
         if args.load:
