@@ -57,7 +57,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled step per variant")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="after each of our variants, N rounds of one resident step then one of ours (default 0: off)")
-    p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="the LoRA weights' dtype of p2 and flux-dev-lora-8g (default bf16; the train runner's are fp32)")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="the LoRA weights' dtype of p2 and flux-dev-lora-8g (default bf16); fp32 is the train runner's LoRA: fp32 weights and optimizer state, computing in bf16")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on --device cpu (default 1: steady on a busy machine)")
     p.add_argument("--link-gbps", default=None, metavar="LIST",
                    help="comma list of emulated H2D link rates in GB/s and/or 'real' (e.g. 13,25,50,real): "

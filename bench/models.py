@@ -102,15 +102,25 @@ FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
 def build_flux_lora(config: dict[str, Any], num_layers: int, num_single_layers: int, rank: int, dtype: torch.dtype,
                     seed: int = 0, lora_dtype: torch.dtype | None = None) -> nn.Module:
     """Flux with peft LoRA (weights in ``lora_dtype``, default ``dtype``; B nonzero) on FLUX_LORA_TARGETS,
-    gradient checkpointing on. fp32 adapters are what the train runner makes (peft then casts every
-    adapted input to fp32)."""
+    gradient checkpointing on. fp32 adapters on a narrower model are the train runner's LoRA: fp32
+    weights (and so an fp32 optimizer state) computing in the model's dtype (_as_the_runner_trains)."""
     from peft import LoraConfig
 
     model = build_flux(config, num_layers, num_single_layers, dtype, seed)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=FLUX_LORA_TARGETS))
     _fill_lora_(model, lora_dtype or dtype, seed + 1)
+    _as_the_runner_trains(model, lora_dtype or dtype, dtype)
     model.enable_gradient_checkpointing()
     return model.train()
+
+
+def _as_the_runner_trains(model: nn.Module, lora_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """fp32 adapters on a bf16 model compute as the train runner's do (jobs/runners/lora.py,
+    compute_in_input_dtype: the weights cast to the activations' dtype, not the activations to fp32)."""
+    if lora_dtype == torch.float32 and dtype != torch.float32:
+        from jobs.runners.lora import compute_in_input_dtype
+
+        compute_in_input_dtype(model)
 
 
 # ---- P2: a plain DiT stack --------------------------------------------------------------------
@@ -172,6 +182,7 @@ def build_dit_lora(
     cfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
     inject_adapter_in_model(cfg, model)
     _fill_lora_(model, lora_dtype, seed + 1)
+    _as_the_runner_trains(model, lora_dtype, dtype)
     return model.train()
 
 
