@@ -52,15 +52,18 @@ class WorkerProcess:
     def wait_healthy(self, timeout: float) -> "WorkerProcess":
         """Until /healthz answers 200; the worker's log in the error when it exits or times out."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        # One client for all the polls: httpx.get makes a client (and its SSL context) per call, about
+        # 30 ms of CPU each, 20 times a second while a worker starts.
+        with httpx.Client(timeout=0.5) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log.read_text()}")
+                try:
+                    if http.get(f"{self.url}/healthz").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
         self.stop()  # a worker that comes up after the test gave up on it would run on, unowned
         raise RuntimeError(f"worker did not become healthy in {timeout:g} s:\n{self.log.read_text()}")
 

@@ -20,7 +20,7 @@ from jobs.errors import StoreError
 from jobs.executors import proctree
 
 # kill -9 and an orphan that must outlive it, a WAL-held store copied: timing-sensitive, so run
-# alone after the parallel part (see pyproject). Load once exposed two races, both fixed: the
+# after the parallel part, away from its load (see pyproject). Load once exposed two races, both fixed: the
 # rebuild's cgroup kill counted 0 stopped processes (recorded `killed`), and a replaced store file
 # was read (its idempotency-key lookup) before the file check.
 pytestmark = pytest.mark.serial

@@ -21,7 +21,7 @@ from pg_helpers import PostgresServer, _as_user
 
 from jobs.store import JobStore
 
-# leases and heartbeats of a few seconds: run after the parallel part, alone (see pyproject)
+# leases and heartbeats of a few seconds: run after the parallel part, away from its load (see pyproject)
 pytestmark = pytest.mark.serial
 
 TIMEOUT = 6.0  # heartbeat_timeout (the lease) of these workers

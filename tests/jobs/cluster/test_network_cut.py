@@ -22,7 +22,7 @@ from cluster_helpers import ClusterWorker, audit, ledger, ledger_job, wait_all
 from jobs_helpers import wait_until
 from pg_helpers import PostgresServer
 
-# leases and heartbeats of a few seconds: run after the parallel part, alone (see pyproject)
+# leases and heartbeats of a few seconds: run after the parallel part, away from its load (see pyproject)
 pytestmark = pytest.mark.serial
 
 TIMEOUT = 6.0

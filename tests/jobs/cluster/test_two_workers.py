@@ -23,7 +23,7 @@ from jobs_helpers import REPO, tagged_processes, wait_until
 
 from jobs.errors import SpecError
 
-# leases and heartbeats of a few seconds: run after the parallel part, alone (see pyproject)
+# leases and heartbeats of a few seconds: run after the parallel part, away from its load (see pyproject)
 pytestmark = pytest.mark.serial
 
 TIMEOUT = 6.0  # heartbeat_timeout of these workers
