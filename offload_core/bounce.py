@@ -517,17 +517,28 @@ class _RegisterRing(_Ring):
 BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_RegisterRing, an experiment)
 
 
-def bounce_mode() -> str:
-    """``OFFLOAD_BOUNCE_MODE``: "copy" (unset or empty) or "register"; anything else is a named error
-    (the engine reads it before it touches the model)."""
-    raw = os.environ.get(BOUNCE_MODE_ENV, "")
-    mode = raw.strip().lower() or "copy"
-    if mode not in ("copy", "register"):
-        raise OffloadConfigError(f"{BOUNCE_MODE_ENV}={raw!r}: expected copy or register")
-    return mode
-
-
 BOUNCE_CORES_ENV = "OFFLOAD_BOUNCE_CORES"  # "all" (the default) or "spare" (an experiment: _spare_cpus)
+_SWITCHES = {BOUNCE_MODE_ENV: ("copy", "register"), BOUNCE_CORES_ENV: ("all", "spare")}  # the default first
+
+
+def _switch(name: str) -> str:
+    """An experiment's environment switch: its default when unset or empty; anything but its values is a
+    named error (the engine reads them all before it touches the model: check_switches)."""
+    raw = os.environ.get(name, "")
+    value, allowed = raw.strip().lower() or _SWITCHES[name][0], _SWITCHES[name]
+    if value not in allowed:
+        raise OffloadConfigError(f"{name}={raw!r}: expected {' or '.join(allowed)}")
+    return value
+
+
+def bounce_mode() -> str:
+    """``OFFLOAD_BOUNCE_MODE``: "copy" or "register" (_RegisterRing)."""
+    return _switch(BOUNCE_MODE_ENV)
+
+
+def check_switches() -> None:
+    for name in _SWITCHES:
+        _switch(name)
 
 
 def _read(path: str) -> str:
@@ -555,7 +566,7 @@ def _spare_cpus() -> set[int] | None:
     the core the calling thread (the engine's, which launches the kernels) runs on now and that
     core's SMT siblings, so that no fill shares a core with it (a sibling's memcpy halves its
     instruction rate). None where that is unknown or would leave fewer than two CPUs (all of them)."""
-    if os.environ.get(BOUNCE_CORES_ENV, "all").strip().lower() != "spare" or not hasattr(os, "sched_getaffinity"):
+    if _switch(BOUNCE_CORES_ENV) != "spare" or not hasattr(os, "sched_getaffinity"):
         return None
     stat = _read("/proc/thread-self/stat")
     try:

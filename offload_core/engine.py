@@ -36,7 +36,7 @@ from torch import nn
 
 from . import planner, registry
 from .arena import PinnedArena
-from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, bounce_mode, pinned_limit
+from .bounce import BOUNCE_RING, PINNED_LIMIT_ENV, BounceStore, check_switches, pinned_limit
 from .parking import Parking
 from .binding import Binder, set_data
 from .compiled import BlockCompiler, refuse_patched
@@ -77,7 +77,7 @@ class OffloadEngine:
         if not isinstance(model, nn.Module):
             raise NotAModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         registry.refuse_if_offloaded(model)
-        bounce_mode()  # a misspelt OFFLOAD_BOUNCE_MODE is named before the model is touched
+        check_switches()  # a misspelt OFFLOAD_BOUNCE_MODE or _CORES is named before the model is touched
         if config.weights is None and not config.lazy_load:
             on_meta = meta_tensor_names(model)
             if on_meta:

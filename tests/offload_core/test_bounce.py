@@ -201,12 +201,14 @@ def test_register_mode_inference_and_a_failing_registration(monkeypatch: pytest.
     h.remove()
 
 
-def test_a_misspelt_bounce_mode_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bounce.BOUNCE_MODE_ENV, "regster")
-    m = _mlp(1)
-    x = torch.randn(2, 64)
+@pytest.mark.parametrize("name, value, allowed", [(bounce.BOUNCE_MODE_ENV, "regster", "copy or register"),
+                                                  (bounce.BOUNCE_CORES_ENV, "spar", "all or spare")])
+def test_a_misspelt_experiment_switch_is_named(monkeypatch: pytest.MonkeyPatch, name: str, value: str,
+                                                allowed: str) -> None:
+    monkeypatch.setenv(name, value)
+    m, x = _mlp(1), torch.randn(2, 64)
     want = m(x)
-    with pytest.raises(OffloadConfigError, match="OFFLOAD_BOUNCE_MODE='regster': expected copy or register"):
+    with pytest.raises(OffloadConfigError, match=f"{name}='{value}': expected {allowed}"):
         enable_offload(m, target_device="cpu", pinned_limit=LIMIT)
     assert torch.equal(m(x), want), "the model is left as it was"
 
