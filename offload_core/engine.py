@@ -105,7 +105,6 @@ class OffloadEngine:
         # park_saved_tensors: large saved activations in host memory until the backward (parking.py)
         self.parking = Parking(self.device, self.counters) if config.park_saved_tensors else None
         self._group_depth = 0
-        self.lockstep_widths: dict[int, list[int]] = {}  # per K, each round's segment length last time (lockstep.py)
         self.binder = Binder(self)  # views into the slots while a module runs (binding.py)
 
         split = None if config.split_threshold_mb is None else int(config.split_threshold_mb * 1024 * 1024)

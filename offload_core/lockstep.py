@@ -13,14 +13,15 @@ bitwise those of the plain loop. How:
   in micro-batch order, so the engine sees each unit K times in a row and copies it once.
 - **One backward.** ``torch.autograd.backward`` over the K losses. Autograd runs ready nodes by
   descending sequence number, a number each thread counts for itself. At every hand-over a worker
-  skips ahead to its range for the next segment (``Lockstep._number_round``): each segment's ranges
-  lie above all of the last segment's, so the backward (and a checkpoint's recompute) is layer-major
-  too, and within a segment micro-batch 1's range lies above 2's, ..., so the backward finishes one
-  micro-batch's part of a unit before the next starts (one recompute's activations alive, not K).
+  skips ahead to just above where the worker before it in the round ended (``Lockstep._turn``): each
+  round's ranges lie above all of the last round's, so the backward (and a checkpoint's recompute) is
+  layer-major too, and within a round micro-batch K's range lies above K-1's, ..., each range exactly
+  as wide as that worker's segment turned out, so the backward finishes one micro-batch's part of a
+  unit before the next starts (one recompute's activations alive, not K), from the first call on.
 - **Same additions.** Each worker sees its own alias of every trainable parameter (the same storage,
   a leaf of its own), and the aliases' gradients are added into ``.grad`` in order 1..K, each as soon
-  as the earlier ones are in: the fp32 additions K ``backward()`` calls make, whatever order autograd
-  ran in.
+  as the earlier ones are in (a unit's K gradients at most wait for that unit's backward): the fp32
+  additions K ``backward()`` calls make, whatever order autograd ran in.
 
 Limits (docs/engine.md): trainable parameters must not be streamed (optimizer offload); a forward
 that draws random numbers inside the model (dropout) is refused (``LayerOrderError``); hooks on a
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Lockstep", "accumulate"]
 
 ORDERS = ("micro", "layer")
-_PAD_LIMIT = 1 << 18  # most sequence numbers a worker skips in one round (see Lockstep._number_round)
+_PAD_LIMIT = 1 << 18  # most sequence numbers a worker skips at one hand-over (see Lockstep._resume)
 
 
 class _Aborted(Exception):
@@ -82,8 +83,8 @@ class _Aliases:
     """Per worker, a leaf of its own for every trainable parameter the forward reads from a module table.
 
     A worker's gradient is added into the parameter's ``.grad`` as soon as every earlier worker's is
-    in (the backward runs micro-batch 1's part of a unit first, so that is at once as a rule): the K
-    gradients are not all held until the backward ends. ``reduce`` adds what is left, in order."""
+    in (the backward runs micro-batch K's part of a unit first, so a unit's gradients wait for that
+    unit's backward, not the whole backward's). ``reduce`` adds what is left, in order."""
 
     def __init__(self, model: nn.Module, k: int) -> None:
         self.slots: list[tuple[dict, str, int]] = []  # (module table, name, index into params)
@@ -146,21 +147,18 @@ class _Aliases:
 class Lockstep:
     """Runs K callables in worker threads, one at a time, switching at every streamed unit's entry."""
 
-    def __init__(self, k: int, on_resume: Callable[[int], None], context: Callable[[], Any],
-                 widths: Sequence[int] = ()) -> None:
+    def __init__(self, k: int, on_resume: Callable[[int], None], context: Callable[[], Any]) -> None:
         self.k = k
-        # each round's segment length (autograd nodes a worker creates between two hand-overs), from the
-        # last call: the room each micro-batch's range of sequence numbers gets (see _number_round)
-        self._history = list(widths)
-        self.widths: list[int] = []  # this call's, for the next one
         self._on_resume = on_resume  # in the worker, each time it takes the baton
         self._context = context  # entered in each worker around its callable (thread-local state)
         self._go = [threading.Semaphore(0) for _ in range(k)]
         self._back = threading.Semaphore(0)
         self._local = threading.local()
-        self._seq_at = [0] * k
-        self._start = [0] * k  # each worker's sequence number when its current segment began
-        self._target = [0] * k
+        self._seq_at = [0] * k  # each worker's sequence number where its last segment ended
+        self._target = [0] * k  # where its next segment starts (set by the caller before each turn)
+        self._began = [0] * k  # where its current segment began
+        self.rounds: list[list[tuple[int, int, int]]] = []  # per round, (worker, first, last sequence number)
+        self.overlaps = 0  # segments that began below the one before them in the round (padding skipped)
         self._abort = False
         self._done = [False] * k
         self._holder: int | None = None  # the worker holding the baton, while the caller waits for it
@@ -197,7 +195,9 @@ class Lockstep:
             pad = torch.zeros((), requires_grad=True)
             for _ in range(behind):
                 pad.view(())
-        self._start[w] = _seq()
+        elif behind > 0:
+            self.overlaps += 1  # a huge gap: left as it is (more recomputes alive at once, still correct)
+        self._began[w] = _seq()
         self._on_resume(w)
 
     def _arrived(self, w: int) -> None:
@@ -216,6 +216,7 @@ class Lockstep:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self.errors[w] = exc
         finally:
+            self._seq_at[w] = _seq()  # its last segment's end: the next round starts above it
             self._done[w] = True
             self._back.release()
 
@@ -228,14 +229,19 @@ class Lockstep:
         alive = list(range(self.k))
         try:
             while alive:
-                self._number_round(alive)
+                top = max(self._seq_at)  # every range of the last round lies below
+                ranges = []
                 for w in alive:
+                    # this worker's segment starts where the one before it in the round ended: the ranges
+                    # stack up exactly, however wide each segment turns out (autograd runs the highest first)
+                    self._target[w] = top
                     self._turn(w)
+                    ranges.append((w, self._began[w], self._seq_at[w]))
+                    top = max(top, self._seq_at[w])
                     if self.errors[w] is not None and not self._abort:
                         self._abort = True
+                self.rounds.append(ranges)
                 alive = [w for w in alive if not self._done[w]]
-                if alive:
-                    self.widths.append(max(self._seq_at[w] - self._start[w] for w in alive))
                 self.switches += len(alive)
         finally:
             if not all(self._done):  # a KeyboardInterrupt in the caller: unwind the parked workers
@@ -252,21 +258,6 @@ class Lockstep:
         if first is not None:
             raise first
         return self.results
-
-    def _number_round(self, alive: list[int]) -> None:
-        """Each worker's first sequence number this round. Autograd runs ready nodes by descending
-        number: every round starts above all of the last one (the backward is layer-major), and
-        within a round micro-batch 1 gets the top range, 2 the one below, ..., each as wide as the
-        round's segment was in the last call (or the widest so far), so the backward finishes one
-        micro-batch's segment before the next starts its own: one checkpoint recompute alive at a
-        time, not K. A width guessed short only lets neighbours' nodes interleave."""
-        r = len(self.widths)
-        width = self._history[r] if r < len(self._history) else max(self.widths, default=0)
-        if width * (self.k - 1) > _PAD_LIMIT:
-            width = 0  # a huge segment: the numbers tie within the round (more recomputes alive at once)
-        base = max(self._seq_at[w] for w in alive)
-        for w in alive:
-            self._target[w] = base + (self.k - 1 - w) * width
 
     def _turn(self, w: int) -> None:
         self._holder = w
@@ -348,8 +339,7 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
             stack.enter_context(engine.saved_weight_refs())
             yield
 
-    history = engine.lockstep_widths.get(k, [])
-    ls = Lockstep(k, aliases.install, worker_state, history)
+    ls = Lockstep(k, aliases.install, worker_state)
     engine.begin_group(ls)
     try:
         results = ls.run([lambda b=b: loss_fn(b) for b in batches])
@@ -368,5 +358,4 @@ def _layer_major(engine: OffloadEngine, batches: list[Any], loss_fn: Callable[[A
     aliases.reduce()
     engine.counters.lockstep_switches += ls.switches
     engine.counters.lockstep_pad_nodes += ls.padded
-    engine.lockstep_widths[k] = ls.widths
     return [_detached(r) for r in results]

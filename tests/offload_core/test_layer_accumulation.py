@@ -251,10 +251,11 @@ def test_dropout_inside_the_model_is_refused_before_any_gradient() -> None:
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
 def test_backward_finishes_each_micro_batch_in_a_unit_before_the_next(checkpointing: bool) -> None:
-    # Micro-batch 1's nodes of a unit's segment (from its entry to the next unit's) outnumber 2's, ...:
+    # Micro-batch K's nodes of a unit's segment (from its entry to the next unit's) outnumber K-1's, ...:
     # the backward runs one micro-batch's part of a segment (one checkpoint recompute alive) before the
-    # next's, and every micro-batch's part before the segment before it (layer-major). Recorded: when
-    # the node that made each layer's output runs, for which micro-batch.
+    # next's, and every micro-batch's part before the segment before it (layer-major), from the first
+    # call on (a first call that interleaved them held K recomputes at once: out of memory at Flux-dev
+    # dims under 8 GiB). Recorded: when the node that made each layer's output runs, for which micro-batch.
     case = CASES["toy"]
     model = case.build("adapter", checkpointing=checkpointing)
     log: list[tuple[int, int]] = []
@@ -282,8 +283,7 @@ def test_backward_finishes_each_micro_batch_in_a_unit_before_the_next(checkpoint
         order = [x for k, x in enumerate(order) if k == 0 or order[k - 1] != x]
         segments = [a for a, _ in order]
         assert segments == sorted(segments, reverse=True), f"call {call}: not layer-major: {order}"
-        if call > 0:  # the first call sizes a segment's ranges from the widest one so far (short here: they tie)
-            assert order == [(a, mb) for a in reversed(anchors) for mb in range(4)], f"call {call}: {order}"
+        assert order == [(a, mb) for a in reversed(anchors) for mb in reversed(range(4))], f"call {call}: {order}"
     assert handle.stats()["lockstep_pad_nodes"] > 0
     handle.remove()
 
