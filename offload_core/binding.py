@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import FrozenWeightError, OffloadedCopyError, OffloadedEditError, copied_module_error
-from .parking import Parked, Parking
+from .parking import Parked
 from .seams import BinderHost
 from .slots import Slot
 from .units import Unit
@@ -361,7 +361,7 @@ class Binder:
 
     def unpack_saved(self, ref: Any) -> torch.Tensor:
         if isinstance(ref, Parked):
-            return Parking.unpark(ref)
+            return self.e.parking.unpark(ref)
         if not isinstance(ref, SlotRef):
             return ref
         slot = self.e.use(self.e.units[ref.uid], backward=True)

@@ -183,6 +183,8 @@ class OffloadEngine:
         self.widener = UnitWidener(self.streamed, self.device)
         # debug_link_gbps: a slower link, emulated by holding the copy stream after each H2D copy (link.py)
         self.pacer = LinkPacer(config.debug_link_gbps, self.device) if config.debug_link_gbps is not None else None
+        if self.parking is not None:
+            self.parking.pacer = self.pacer  # the activations' copies back cross the same (emulated) link
         self.transfer = Transfer(self.device, use_streams=config.use_streams, timing=self.timing,
                                  counters=self.counters, widener=self.widener,
                                  bounce=self.store if isinstance(self.store, BounceStore) else None, pacer=self.pacer)

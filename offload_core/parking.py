@@ -18,6 +18,9 @@ the weights' H2D copies: the link is full duplex) and an H2D copy in the backwar
 - Only contiguous tensors are parked: an expanded view (stride 0) would grow to its full size.
 - On the CPU (``target_device="cpu"``) a parked tensor is a copy: nothing is saved, the hooks'
   path is the same (the CPU tests check the gradients bitwise).
+- Under an emulated slower link (``debug_link_gbps``, link.py) the H2D copy back is paced like a
+  weight's (held on the stream that waits for it); the D2H copy is not (the pacer models H2D only).
+  Not modelled: that on a real link those bytes also take their time from the weights' copies.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Parking:
     def __init__(self, device: torch.device, counters: Any) -> None:
         self.device = device
         self.counters = counters
+        self.pacer: Any = None  # the engine's LinkPacer under debug_link_gbps (set after the engine makes it)
         self.is_cuda = device.type == "cuda"
         self.pin = self.is_cuda
         self._stream: Any = None
@@ -84,9 +88,12 @@ class Parking:
         self.counters.parked_bytes += host.numel() * host.element_size()
         return Parked(host, event, t.device)
 
-    @staticmethod
-    def unpark(p: Parked) -> torch.Tensor:
+    def unpark(self, p: Parked) -> torch.Tensor:
         if p.event is None:
             return p.host
         torch.cuda.current_stream(p.device).wait_event(p.event)
-        return p.host.to(p.device, non_blocking=p.host.is_pinned())
+        out = p.host.to(p.device, non_blocking=p.host.is_pinned())
+        if self.pacer is not None:
+            with torch.cuda.device(p.device):
+                self.pacer.hold(out.numel() * out.element_size())  # on the stream the copy was queued on
+        return out
