@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from .format import align
 from .pool import HostPool
 
 __all__ = ["POLICIES", "NextUse", "SlabCache"]
@@ -89,12 +90,42 @@ class SlabCache:
     def touch(self, uid: int) -> None:
         self.entries[uid].used = next(self._clock)
 
-    def _insert(self, uid: int, nbytes: int, kept: bool = False) -> int | None:
-        off = self.pool.alloc(nbytes)
+    def _insert(self, uid: int, nbytes: int, kept: bool = False, use_at: int = -1,
+                runs: list[tuple[int, int]] | None = None) -> int | None:
+        off = self._spot(uid, align(max(nbytes, 1)), use_at, self.pool.free_runs() if runs is None else runs)
         if off is not None:
+            self.pool.alloc_at(off, nbytes)
             t = next(self._clock)
             self.entries[uid] = _Entry(off, nbytes, t, t, kept)
         return off
+
+    def _spot(self, uid: int, need: int, use_at: int, runs: list[tuple[int, int]]) -> int | None:
+        """Where in the free ``runs`` uid goes: against the wall or the neighbour whose next use is nearest its own.
+
+        Units used close together are let go close together, so the bytes they free are one run
+        (first fit scattered the leftovers of big units among small ones, too short for either).
+        """
+        if not runs:
+            return None
+        mine = self.next_use.after(uid, use_at)
+        ends = {e.offset: v for v, e in self.entries.items()}
+        starts = {e.offset + align(max(e.nbytes, 1)): v for v, e in self.entries.items()}
+
+        def gap(v: int | None) -> float:
+            if v is None:
+                return 0.0  # the pool's edge
+            nu = self.next_use.after(v, use_at)
+            return 0.0 if nu == mine else abs(nu - mine) if math.isfinite(nu - mine) else math.inf
+
+        best: tuple[tuple[int, float, int], int] | None = None
+        for a, b in runs:
+            if b - a < need:
+                continue
+            for key, off in (((b - a - need, gap(starts.get(a)), a), a), ((b - a - need, gap(ends.get(b)), a), b - need)):
+                key = (0 if key[0] == 0 else 1, key[1], key[2])
+                if best is None or key < best[0]:
+                    best = (key, off)
+        return None if best is None else best[1]
 
     def remove(self, uid: int) -> None:
         e = self.entries.pop(uid)
@@ -105,42 +136,64 @@ class SlabCache:
         if self.pool.capacity_bytes == 0:
             return None, []
         if self.pool.fits(nbytes):
-            return self._insert(uid, nbytes), []
+            return self._insert(uid, nbytes, use_at=use_at), []
         candidates = [v for v, e in self.entries.items() if not e.kept and v not in busy]
         if self.policy == "belady":
             mine = self.next_use.after(uid, use_at)
-            later = [(self.next_use.after(v, now), v) for v in candidates]
-            order = [v for nu, v in sorted(later, reverse=True) if nu > mine]
+            later = ((v, self.next_use.after(v, now)) for v in candidates)
+            rank = {v: nu for v, nu in later if nu > mine}
         elif self.policy == "fifo":
-            order = sorted(candidates, key=lambda v: self.entries[v].inserted)
+            rank = {v: -self.entries[v].inserted for v in candidates}
         else:
-            order = sorted(candidates, key=lambda v: self.entries[v].used)
-        free = self.pool.capacity_bytes - self.pool.used_bytes
-        if free + sum(self.entries[v].nbytes for v in order) < nbytes:
-            return None, []  # evicting every candidate would not make room: stream it instead
-        evicted: list[int] = []
-        for v in order:
-            self.remove(v)
-            evicted.append(v)
-            if self.pool.fits(nbytes):
-                break
-        self.evictions += len(evicted)
-        return self._insert(uid, nbytes), evicted
+            rank = {v: -self.entries[v].used for v in candidates}
+        return self._replace(uid, nbytes, rank, use_at=use_at)
 
     def keep(self, uid: int, nbytes: int, busy: set[int]) -> tuple[int | None, list[int]]:
         """Room for a unit that must stay (written to): evicts any unkept, idle unit; None when full of kept ones."""
         if uid in self.entries:
             self.entries[uid].kept = True
             return self.entries[uid].offset, []
-        evicted: list[int] = []
-        for v in sorted((v for v, e in self.entries.items() if not e.kept and v not in busy),
-                        key=lambda v: -self.next_use.after(v, 0)):
-            if self.pool.fits(nbytes):
-                break
+        if self.pool.fits(nbytes):
+            return self._insert(uid, nbytes, kept=True), []
+        rank = {v: self.next_use.after(v, 0) for v, e in self.entries.items() if not e.kept and v not in busy}
+        return self._replace(uid, nbytes, rank, kept=True)
+
+    def _replace(self, uid: int, nbytes: int, rank: dict[int, float], kept: bool = False,
+                 use_at: int = -1) -> tuple[int | None, list[int]]:
+        """Evict units of ``rank`` (the higher, the sooner to go) to free one run that uid fits in, or nothing.
+
+        Units differ in size (a Flux double block is 2.4 single ones), so freed bytes need not be one run:
+        the victims are the units of the window whose lowest-ranked victim ranks highest (then the
+        fewest bytes). Evicting by rank alone left runs too short for the unit it made room for.
+        """
+        need = align(max(nbytes, 1))
+        segs = sorted([(a, b, None) for a, b in self.pool.free_runs()]
+                      + [(e.offset, e.offset + align(max(e.nbytes, 1)), v) for v, e in self.entries.items()])
+        best: tuple[tuple[float, int], int, list[int]] | None = None
+        for i, (start, _, first) in enumerate(segs):
+            if first is not None and first not in rank:
+                continue
+            victims: list[int] = []
+            end = start
+            for a, b, v in segs[i:]:
+                if a != end or (v is not None and v not in rank):
+                    break
+                if v is not None:
+                    victims.append(v)
+                end = b
+                if end - start >= need:
+                    key = (min((rank[x] for x in victims), default=math.inf), -sum(self.entries[x].nbytes for x in victims))
+                    if best is None or key > best[0]:
+                        best = (key, start, victims)
+                    break
+        if best is None:
+            return None, []  # no window of idle units the policy would give up: stream it instead
+        _, start, victims = best
+        for v in victims:
             self.remove(v)
-            evicted.append(v)
-        self.evictions += len(evicted)
-        return self._insert(uid, nbytes, kept=True), evicted
+        self.evictions += len(victims)
+        run = next((a, b) for a, b in self.pool.free_runs() if a <= start < b)
+        return self._insert(uid, nbytes, kept, use_at, [run]), victims
 
     def close(self) -> None:
         self.entries.clear()

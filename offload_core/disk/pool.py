@@ -48,6 +48,20 @@ class HostPool:
                 return a
         return None
 
+    def alloc_at(self, offset: int, nbytes: int) -> int | None:
+        """``offset`` itself, when align(nbytes) bytes from there are free; else None."""
+        need = align(max(nbytes, 1))
+        for i, (a, b) in enumerate(self._free):
+            if a <= offset and offset + need <= b:
+                self._free[i: i + 1] = [r for r in ((a, offset), (offset + need, b)) if r[0] < r[1]]
+                self.used_bytes += need
+                return offset
+        return None
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free (start, end) runs, in address order."""
+        return list(self._free)
+
     def fits(self, nbytes: int) -> bool:
         need = align(max(nbytes, 1))
         return any(b - a >= need for a, b in self._free)
