@@ -55,6 +55,8 @@ class _Unit:
     holds: int = 0
     events: list = field(default_factory=list)  # copies out of the slab still in flight
     for_pos: int = -1  # the trace position the read was made for
+    used_at: int = -1  # the trace position of its latest use
+    move_from: int = -1  # staging-slot offset of bytes being copied into its cache slab (-1: none)
     learn: bool = False  # read ahead once the position was known: an unused read teaches a skip
     kept: bool = False
 
@@ -79,17 +81,22 @@ class _Core:
         self.own: dict[int, HostPool] = {}  # kept units that did not fit in the cache
         self.cond = threading.Condition()
         self.queue: collections.deque[int] = collections.deque()
+        self.moves: collections.deque[int] = collections.deque()  # staging slots to copy into the cache
         self.error: ShardError | None = None
         self.closed = False
         self.pos = -1  # absolute trace position of the latest use
         self.synced = False
         self.trace = NextUse([])
         self.skip: set[int] = set()  # trace positions that no acquire comes for (the engine had the unit)
+        self.raw = NextUse([])  # the trace with no position skipped
+        self.seen: set[int] = set()  # absolute positions acquired, not judged yet
+        self.judged = -1  # positions up to here were judged: acquired, or skipped
         self.lookahead = max(2 * num_disk_workers, self.n_stream)
         self.pinned = self.stream.pinned and (self.cache.capacity_bytes == 0 or self.cache.pool.pinned)
         # counters
         self.hits = self.misses = self.hit_bytes = self.miss_bytes = 0
         self.disk_bytes = self.disk_reads = self.direct_reads = self.wasted_reads = self.emergency = 0
+        self.moved = self.moved_bytes = 0
         self.stall_s = 0.0
         self.busy_s = 0.0
         self._inflight = 0
@@ -132,13 +139,41 @@ class _Core:
             if u.where not in ("stream", "temp") or not self._idle(u):
                 continue
             if not u.fresh:
-                self._drop(u)
+                if not (u.where == "stream" and self._move_to_cache(u)):
+                    self._drop(u)
             elif u.for_pos < self.pos - self.lookahead:  # read ahead for a use that did not come
                 self.wasted_reads += 1
                 if self.trace.length and u.learn:
                     self.skip.add(u.for_pos % self.trace.length)
-                    self.trace = self.cache.next_use = NextUse(self.trace.trace, self.skip)
+                    self._skips_changed()
                 self._drop(u)
+
+    def _move_to_cache(self, u: _Unit) -> bool:
+        """Offer a used unit in a staging slot to the cache, as if read now for the use it just had.
+
+        Read-ahead decides at read time, when the cache is full of units read for uses before this
+        one: a read made far ahead (the units between were cached) went to a staging slot and was let
+        go after its use, though by then the policy would keep it. A forward then a backward in reverse
+        read the blocks at each turn twice that way. Its bytes are copied (by a worker, off the lock)
+        into the cache instead of read from disk again."""
+        if self.cache.policy != "belady" or not self.trace.length or u.used_at < 0:
+            return False
+        off, evicted = self.cache.admit(u.unit.uid, u.entry.read_nbytes, self.pos, u.used_at, self._busy())
+        for v in evicted:
+            vu = self.units[v]
+            vu.pool, vu.where, vu.fresh = None, "", False
+        if off is None:
+            return False
+        u.move_from, u.pool, u.offset, u.where, u.reading = u.offset, self.cache.pool, off, "cache", True
+        self.moves.append(u.unit.uid)
+        self.cond.notify_all()
+        return True
+
+    def _moved(self, u: _Unit) -> None:
+        self.stream.free(u.move_from, u.entry.read_nbytes)
+        u.move_from, u.reading = -1, False
+        self.moved += 1
+        self.moved_bytes += u.entry.nbytes
 
     def _place(self, u: _Unit, use_at: int, urgent: bool) -> bool:
         """Find memory for u's read: the cache if the policy admits it, else a staging slot."""
@@ -215,7 +250,7 @@ class _Core:
     def _work(self, watch: bool) -> None:
         while True:
             with self.cond:
-                while not self.queue and not self.closed:
+                while not self.queue and not self.moves and not self.closed:
                     if watch and self.trace.length and self._copies_pending():
                         self.cond.wait(_POLL_S)
                         self._fill()
@@ -223,12 +258,25 @@ class _Core:
                         self.cond.wait()
                 if self.closed:
                     return
-                uid = self.queue.popleft()
-                u = self.units[uid]
-                dest = u.pool.slab(u.offset, u.entry.read_nbytes)
-                if self._inflight == 0:
-                    self._busy_since = time.perf_counter()
-                self._inflight += 1
+                if self.moves:
+                    u = self.units[self.moves.popleft()]
+                    src = self.stream.slab(u.move_from, u.entry.read_nbytes)
+                    dest = u.pool.slab(u.offset, u.entry.read_nbytes)
+                else:
+                    src = None
+                    u = self.units[self.queue.popleft()]
+                    dest = u.pool.slab(u.offset, u.entry.read_nbytes)
+                    if self._inflight == 0:
+                        self._busy_since = time.perf_counter()
+                    self._inflight += 1
+            if src is not None:  # a used unit's bytes from its staging slot into the cache: no disk read
+                dest.copy_(src)
+                del src, dest
+                with self.cond:
+                    self._moved(u)
+                    self._fill()
+                    self.cond.notify_all()
+                continue
             err: ShardError | None = None
             n, direct, first = 0, False, None
             try:
@@ -285,14 +333,15 @@ class _Core:
     def follow_trace(self, trace: Sequence[int]) -> None:
         with self.cond:
             self.skip = set()
-            self.trace = NextUse([uid for uid in trace])
+            self.trace = self.raw = NextUse([uid for uid in trace])
             self.cache.next_use = self.trace
             self.pos = -1
+            self.seen, self.judged = set(), -1
             self.synced = False  # until the first use, the position is a guess (the engine may start mid-trace)
             for u in self.units.values():
                 # A read made under the old order teaches nothing about this one (no skip is learned from
                 # it); one still unused is kept for its first use in the new order, not counted wasted.
-                u.learn = False
+                u.learn, u.used_at = False, -1
                 if u.fresh or u.reading:
                     q = self.trace.after(u.unit.uid, -1)
                     u.for_pos = int(q) if q != float("inf") else -1
@@ -300,14 +349,50 @@ class _Core:
                     u.for_pos = min(u.for_pos, -1)
             self._fill()
 
-    def _advance(self, uid: int) -> None:
+    def _advance(self, uid: int) -> int:
         """Move the trace position to this use of uid: its first occurrence after a short window behind
-        the position (the engine may take a prefetch a little out of order), never backwards."""
-        if self.trace.length:
-            q = self.trace.after(uid, max(self.pos - self.lookahead, -1))
-            if q != float("inf") and q > self.pos:
-                self.pos = int(q)
-                self.synced = True
+        the position (the engine may take a prefetch a little out of order), never backwards.
+        Returns the use's position (-1 without a trace)."""
+        if not self.trace.length:
+            return -1
+        start = max(self.pos - self.lookahead, -1)
+        q, raw = self.trace.after(uid, start), self.raw.after(uid, start)
+        if raw < q:  # a use at a position learned as skipped: it is not skipped after all
+            self.skip.discard(int(raw) % self.trace.length)
+            self._skips_changed()
+            q = raw
+        if q == float("inf"):
+            return -1
+        if q > self.pos:
+            if not self.synced:
+                self.judged = int(q) - 1  # the positions before the first use were not passed by
+            self.pos = int(q)
+            self.synced = True
+        self.seen.add(int(q))
+        self._judge()
+        return int(q)
+
+    def _judge(self) -> None:
+        """Positions an acquire can no longer match (a lookahead behind) that none did are skipped.
+
+        The engine serves some traced uses itself: the units still on the device at the turn of a
+        forward into the backward's recompute and back. Unlearned, the cache kept room for those uses
+        and let go of units that were then read again. (Reads made for such a use teach it too, in _reap.)"""
+        limit = self.pos - self.lookahead - 1
+        if limit <= self.judged:
+            return
+        n, changed = self.trace.length, False
+        for p in range(max(self.judged + 1, limit - n + 1), limit + 1):
+            if p not in self.seen and p % n not in self.skip:
+                self.skip.add(p % n)
+                changed = True
+        self.judged = limit
+        self.seen = {p for p in self.seen if p > limit}
+        if changed:
+            self._skips_changed()
+
+    def _skips_changed(self) -> None:
+        self.trace = self.cache.next_use = NextUse(self.trace.trace, self.skip)
 
     def acquire(self, uid: int, block: bool) -> torch.Tensor | None:
         with self.cond:
@@ -340,7 +425,7 @@ class _Core:
             if u.where == "cache":
                 self.cache.touch(uid)
             u.holds += 1
-            self._advance(uid)
+            u.used_at = self._advance(uid)
             self._fill()
             return u.pool.slab(u.offset, u.entry.nbytes)[: u.entry.nbytes]
 
@@ -438,6 +523,8 @@ class _Core:
                 "disk_cache_hit_bytes": self.hit_bytes,
                 "disk_cache_miss_bytes": self.miss_bytes,
                 "disk_cache_evictions": self.cache.evictions,
+                "disk_cache_moves": self.moved,  # used units copied from a staging slot into the cache, not re-read
+                "disk_cache_moved_bytes": self.moved_bytes,
                 "disk_cache_capacity_bytes": self.cache.capacity_bytes,
                 "disk_cache_used_bytes": self.cache.pool.used_bytes,
                 "disk_cache_units": sum(1 for u in self.units.values() if u.where == "cache" and not u.reading),
@@ -455,6 +542,7 @@ class _Core:
                 return
             self.closed = True
             self.queue.clear()
+            self.moves.clear()
             self.cond.notify_all()
         for w in self.workers:
             if w is not threading.current_thread():
