@@ -1,0 +1,110 @@
+"""Disk bytes of a LoRA step with gradient checkpointing (a forward, then the backward's recompute in
+reverse) from shards through a cache under half the streamed bytes, against Belady's floor. CPU."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_core import enable_offload
+from offload_core.disk.format import load_index
+from offload_core.disk.integrate import max_memory_for
+from offload_core.shard import shard_checkpoint
+from offload_core_disk_helpers import flux_inputs, tiny_flux
+
+# Flux-dev's shape, small: 19 double blocks and 38 single ones, 2.4x smaller each
+FLUX_LIKE = dict(num_layers=19, num_single_layers=38, attention_head_dim=16, num_attention_heads=4)
+
+
+def belady_floor(uses: list[int], size: dict[int, int], nbytes: dict[int, int], capacity: int) -> int:
+    """Bytes a third repetition of ``uses`` reads under Belady with bypass, counting bytes, not runs: a
+    missed unit is kept when dropping units used later than its next use makes room (``size``: as cached)."""
+    seq = uses * 3
+    nxt, last = [math.inf] * len(seq), {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i], last[seq[i]] = last.get(seq[i], math.inf), i
+    cache: dict[int, float] = {}
+    read = 0
+    for i, uid in enumerate(seq):
+        if uid in cache:
+            cache[uid] = nxt[i]
+            continue
+        read += nbytes[uid] if i >= 2 * len(uses) else 0
+        free = capacity - sum(size[v] for v in cache)
+        victims = sorted((v for v in cache if cache[v] > nxt[i]), key=lambda v: -cache[v])
+        if free + sum(size[v] for v in victims) < size[uid]:
+            continue
+        for v in victims:
+            if free >= size[uid]:
+                break
+            free += size[v]
+            del cache[v]
+        cache[uid] = nxt[i]
+    return read
+
+
+@pytest.fixture(scope="module")
+def flux_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("fwdbwd")
+    tiny_flux(**FLUX_LIKE).save_pretrained(root / "src")
+    shard_checkpoint(root / "src", root / "shards", progress=False)
+    return root / "src", root / "shards"
+
+
+def test_a_checkpointed_lora_step_reads_what_belady_must(flux_shards: tuple[Path, Path]) -> None:
+    """With Belady on forward-then-reverse the cache serves its bytes in both passes. Read-ahead decided
+    admission far ahead of the use (into staging slots, let go after it), first fit left runs too
+    short for a double block, and the uses the engine serves itself at the turns kept room: 8-14% over."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    src, dst = flux_shards
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src))
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
+    g = torch.Generator().manual_seed(3)
+    model.load_state_dict({n: torch.randn(p.shape, generator=g) * 0.01 for n, p in model.named_parameters()
+                           if "lora" in n}, strict=False, assign=True)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    model.enable_gradient_checkpointing()
+    index = load_index(dst)
+    blocks = [n for n in index.units if "blocks." in n]
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), num_disk_workers=2,
+                            max_memory=max_memory_for(index, blocks, 0.466, 2), offload_granularity="block",
+                            disk_direct=False)
+    store = handle.engine.store
+    uses: list[int] = []
+    acquire = store.acquire
+
+    def recorded(uid: int, *, block: bool = True) -> torch.Tensor | None:
+        got = acquire(uid, block=block)
+        if got is not None:
+            uses.append(uid)
+        return got
+
+    store.acquire = recorded
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    read = []
+    for _ in range(10):  # the first step traces, the next ones settle
+        uses.clear()
+        before = handle.stats()["disk_bytes"]
+        model(**flux_inputs(), return_dict=False)[0].pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        read.append(handle.stats()["disk_bytes"] - before)
+    entries = {u: store._core.units[u].entry for u in set(uses)}
+    capacity = handle.stats()["disk_cache_capacity_bytes"]
+    floor = belady_floor(uses, {u: e.read_nbytes for u, e in entries.items()},
+                         {u: e.nbytes for u, e in entries.items()}, capacity)
+    streamed = sum(index.units[n].nbytes for n in blocks)
+    assert 0.4 < capacity / streamed < 0.5 and floor < 2 * streamed - 2 * capacity  # the turns' own units
+    settled = sum(read[-4:]) / 4  # read-ahead runs on worker threads: steps differ by a unit or two
+    assert settled <= 1.08 * floor, (read, floor)  # 1.10x before (22.20 MB a step against 20.21); 1.03-1.07x now
+    handle.remove()
