@@ -15,8 +15,12 @@ def _cuda_available() -> bool:
 # order (pytest_configure turns off xdist's own reorder, which sends the files with the most tests
 # first and left files of three minute-long tests for the end). Their summed durations in a
 # `--durations=0` run of the README's command with Docker, Postgres and Slurm up and a cold inductor
-# cache, 40 s and more; the rest keep their collection order.
-FIRST = ("tests/offload_core/test_compiled_blocks.py", "tests/containers/test_container_e2e.py",
+# cache, 40 s and more; the rest keep their collection order. The serial part (three workers) takes the
+# two longest files first, then those of one test, then test_store_rebuild: 149 s against 160 s in
+# the same replay, where the longest file (test_two_workers, 133 s) bounds it.
+FIRST = ("tests/jobs/cluster/test_two_workers.py", "tests/jobs/cluster/test_exactly_once_pg.py",
+         "tests/jobs/cluster/test_network_cut.py",
+         "tests/offload_core/test_compiled_blocks.py", "tests/containers/test_container_e2e.py",
          "tests/jobs/runners/test_cosched.py", "tests/jobs/runners/test_single_file.py",
          "tests/bench/test_bench_smoke.py", "tests/jobs/runners/test_trainer_options.py",
          "tests/tui/test_tui_live.py", "tests/jobs/test_submit_idempotent.py",
