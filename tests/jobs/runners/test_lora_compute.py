@@ -7,7 +7,6 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from jobs.runners.lora import compute_in_input_dtype
@@ -24,6 +23,9 @@ class Net(nn.Module):
 
 
 def _lora_net(dtype: torch.dtype) -> nn.Module:
+    # peft (and the transformers it imports) here, not at collection: every pytest process collects this file
+    from peft import LoraConfig, inject_adapter_in_model
+
     torch.manual_seed(0)
     net = Net().to(dtype)
     net = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q", "o"]), net)
@@ -97,6 +99,8 @@ def test_merged_or_disabled_adapters_run_pefts_forward() -> None:
 
 
 def test_dora_runs_pefts_forward() -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
     torch.manual_seed(0)
     net = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q", "o"], use_dora=True), Net())
     with torch.no_grad():
