@@ -18,14 +18,20 @@ the weights' H2D copies: the link is full duplex) and an H2D copy in the backwar
 - Only contiguous tensors are parked: an expanded view (stride 0) would grow to its full size.
 - On the CPU (``target_device="cpu"``) a parked tensor is a copy: nothing is saved, the hooks'
   path is the same (the CPU tests check the gradients bitwise).
+- The backward unpacks in about the reverse order of the parking (the last unit's inputs first, and
+  layer-major, micro-batch K's first): each unpack brings the ``AHEAD`` tensors parked just before it
+  back on the parking stream, so their H2D copies run beside the backward's compute rather than in
+  front of it. A tensor unpacked out of that order is copied back then (on the stream that asks).
+  Only pinned host copies are brought back ahead (a pageable copy would hold the host thread).
 - Under an emulated slower link (``debug_link_gbps``, link.py) the H2D copy back is paced like a
-  weight's (held on the stream that waits for it); the D2H copy is not (the pacer models H2D only).
-  Not modelled: that on a real link those bytes also take their time from the weights' copies.
+  weight's (held on the stream it runs on); the D2H copy is not (the pacer models H2D only). Not
+  modelled: that on a real link those bytes also take their time from the weights' copies.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -34,15 +40,19 @@ from torch import nn
 __all__ = ["PARK_MIN", "Parked", "Parking"]
 
 PARK_MIN = 4 << 20  # bytes: a block's input at Flux-dev dims is ~28 MB; the small ones are not worth a copy
+AHEAD = 4  # parked tensors brought back ahead of their unpack (a micro-batch's inputs of a unit, and the next's)
 
 
 class Parked:
-    """A saved tensor's host copy, the event after its D2H copy, and where it goes back to."""
+    """A saved tensor's host copy, the event after its D2H copy, and where it goes back to; once brought back
+    ahead, the device copy and the event after it."""
 
-    __slots__ = ("host", "event", "device")
+    __slots__ = ("host", "event", "device", "pos", "back", "back_event", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, event: Any, device: torch.device) -> None:
-        self.host, self.event, self.device = host, event, device
+    def __init__(self, host: torch.Tensor, event: Any, device: torch.device, pos: int = -1) -> None:
+        self.host, self.event, self.device, self.pos = host, event, device, pos
+        self.back: torch.Tensor | None = None
+        self.back_event: Any = None
 
 
 class Parking:
@@ -53,6 +63,7 @@ class Parking:
         self.is_cuda = device.type == "cuda"
         self.pin = self.is_cuda
         self._stream: Any = None
+        self._order: list[weakref.ref[Parked]] = []  # the parked tensors, in parking order (CUDA only)
 
     @staticmethod
     def wants(t: torch.Tensor) -> bool:
@@ -88,14 +99,49 @@ class Parking:
             host.copy_(t)
         self.counters.parked_tensors += 1
         self.counters.parked_bytes += host.numel() * host.element_size()
-        return Parked(host, event, t.device)
+        if event is None:
+            return Parked(host, event, t.device)
+        if self._order and self._order[-1]() is None:
+            self._order = []  # the last forward's parked tensors went without a backward (a failed step)
+        p = Parked(host, event, t.device, len(self._order))
+        self._order.append(weakref.ref(p))
+        return p
 
     def unpark(self, p: Parked) -> torch.Tensor:
         if p.event is None:
             return p.host
-        torch.cuda.current_stream(p.device).wait_event(p.event)
-        out = p.host.to(p.device, non_blocking=p.host.is_pinned())
-        if self.pacer is not None:
-            with torch.cuda.device(p.device):
-                self.pacer.hold(out.numel() * out.element_size())  # on the stream the copy was queued on
+        current = torch.cuda.current_stream(p.device)
+        if p.back is not None:  # brought back ahead, on the parking stream
+            out, p.back = p.back, None
+            current.wait_event(p.back_event)
+            out.record_stream(current)  # allocated on the parking stream, used (and freed) on this one
+        else:
+            current.wait_event(p.event)
+            out = p.host.to(p.device, non_blocking=p.host.is_pinned())
+            if self.pacer is not None:
+                with torch.cuda.device(p.device):
+                    self.pacer.hold(out.numel() * out.element_size())  # on the stream the copy was queued on
+        self._bring_back_before(p)
         return out
+
+    def _bring_back_before(self, p: Parked) -> None:
+        """Start the H2D copies of the ``AHEAD`` tensors parked just before ``p`` (the backward's next
+        ones); forget the ones parked after it (unpacked already, or never to be)."""
+        order = self._order
+        if not 0 <= p.pos < len(order) or order[p.pos]() is not p:
+            return  # parked before the list was last started anew (see park): nothing known around it
+        del order[p.pos:]
+        s = self._stream
+        for j in range(len(order) - 1, max(len(order) - 1 - AHEAD, -1), -1):
+            q = order[j]()
+            if q is None or q.back is not None or not q.host.is_pinned():
+                continue
+            with torch.cuda.stream(s):
+                s.wait_event(q.event)
+                back = torch.empty(q.host.shape, dtype=q.host.dtype, device=q.device)
+                back.copy_(q.host, non_blocking=True)
+                if self.pacer is not None:
+                    self.pacer.hold(back.numel() * back.element_size())
+                q.back_event = torch.cuda.Event()
+                q.back_event.record(s)
+            q.back = back
