@@ -146,6 +146,10 @@ class EngineStats(TypedDict, total=False):
     disk_stall_ms: float  # a disk-backed store only, cumulative: the engine waiting on a read
     disk_cache_hit_rate: float  # a disk-backed store only: uses served from its RAM cache
     disk_cache_capacity_bytes: int  # a disk-backed store only: that cache's size (max_memory)
+    # a disk-backed store only, cumulative: the bytes of the uses that reached the store, from its RAM cache
+    # and not (the uses the engine serves from the device at a turn never reach it): the disk floor's bytes
+    disk_cache_hit_bytes: int
+    disk_cache_miss_bytes: int
     stall_ms: float  # cumulative
     prefetch_misses: int
     planning: bool  # the engine is still measuring its first steps and choosing its ring: not its own speed yet

@@ -13,8 +13,8 @@ attention projections, gradient checkpointing, `OFFLOAD_JOBS_RAM_BUDGET=16GiB` a
 `OFFLOAD_JOBS_VRAM_CAP=8GiB` in its env and nothing else about offload. The runner must see that the
 weights do not fit, shard them once into the model cache and stream them from disk. It prints and
 keeps (`--json`): the job's status, its `runner.host_store` and `runner.shard_cache` events, s/step
-and the disk floor (2 x the streamed bytes the RAM cache cannot hold, at the shards' raw O_DIRECT rate, as
-bench/disk_box.py counts it), peak VRAM, and the peak host RSS (the job's own watch) against the 16 GiB.
+and the disk floor (the bytes of the uses that reach the store less the RAM cache's capacity in each of the
+step's two passes, at the shards' raw O_DIRECT rate), peak VRAM, and the peak host RSS (the job's own watch) against the 16 GiB.
 The model folder and the shards are deleted at the end unless `--keep`.
 
 `--device cpu --blocks 1 --single-blocks 1 --size 64 --text-tokens 32 --ram 1GiB` runs the same path on
@@ -71,23 +71,29 @@ def _report(job: dict[str, Any], ram: int, raw_gbps: float | None = None) -> dic
     later = steps[len(steps) // 2:] or steps
     last = steps[-1]
     tier = out["host_store"][-1] if out["host_store"] else {}
-    # what must come from disk per step: the streamed bytes the RAM cache cannot hold, twice (forward,
-    # then the recompute that backward shares), at the disk's raw O_DIRECT rate (bench/disk_box.py's
-    # floor). The cache is what the engine reports, not max_memory: max_memory also holds the staging
-    # slots the disk workers read into (disk_stream_slots x the largest unit, 2.7 GB at Flux-dev dims).
+    # what must come from disk per step: the bytes of the uses that reach the store (twice the streamed
+    # bytes, forward and the recompute backward shares, less the units the engine keeps on the device
+    # across each turn), less what the RAM cache serves in each of the two passes (Belady on forward-then-
+    # reverse: its capacity each), at the disk's raw O_DIRECT rate. The cache is what the engine reports,
+    # not max_memory: max_memory also holds the staging slots the disk workers read into
+    # (disk_stream_slots x the largest unit, 2.7 GB at Flux-dev dims). Units kept or dropped whole pack the
+    # cache a little short of its capacity, so this floor is a lower bound (tests/offload_core/disk/
+    # test_disk_forward_backward.py computes Belady's exactly on a small model).
     streamed = last.get("streamed_bytes", 0)
     cache = last.get("disk_cache_capacity_bytes")
     if cache is None:  # rows of an engine without the field: max_memory, an upper bound
         cache = tier.get("max_memory_bytes", 0)
     gbps = raw_gbps or last.get("disk_gbps") or 0.0
-    disk_floor = 2 * max(0, streamed - cache) / (gbps * 1e9) if gbps else None
     s_per_step = statistics.median(r["step_seconds"] for r in later)
     # what the disk store did in the later steps (cumulative counters: differences between rows)
     pairs = list(zip(steps, steps[1:]))  # row i+1 less row i: step i+1's own (the first step's warm-up left out)
     per_step = {k: statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs) if pairs else None
-                for k in ("disk_bytes", "disk_stall_ms")}
+                for k in ("disk_bytes", "disk_stall_ms", "disk_cache_hit_bytes", "disk_cache_miss_bytes")}
+    used = (per_step["disk_cache_hit_bytes"] or 0) + (per_step["disk_cache_miss_bytes"] or 0)
+    floor_bytes = max(0, (used or 2 * streamed) - 2 * cache)  # rows without the counters: every use reaches it
+    disk_floor = floor_bytes / (gbps * 1e9) if gbps else None
     out.update({"disk_gb_per_step": per_step["disk_bytes"] / 1e9 if per_step["disk_bytes"] is not None else None,
-                "disk_floor_gb_per_step": 2 * max(0, streamed - cache) / 1e9,
+                "disk_floor_gb_per_step": floor_bytes / 1e9, "store_use_gb_per_step": used / 1e9,
                 "disk_stall_ms_per_step": per_step["disk_stall_ms"],
                 "disk_cache_hit_rate": last.get("disk_cache_hit_rate"),
                 "disk_cache_capacity_bytes": last.get("disk_cache_capacity_bytes")})

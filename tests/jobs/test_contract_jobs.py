@@ -39,7 +39,7 @@ INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss
 # ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs), and
 # the compile counts, which only offload.compile writes (tests/offload_core/test_compiled_blocks.py).
 DISK_FIELDS = {Metric.disk_gbps, Metric.disk_bytes, Metric.disk_stall_ms, Metric.disk_cache_hit_rate,
-               Metric.disk_cache_capacity_bytes}
+               Metric.disk_cache_capacity_bytes, Metric.disk_cache_hit_bytes, Metric.disk_cache_miss_bytes}
 ENGINE_FIELDS = set(ENGINE_STATS) - DISK_FIELDS - {Metric.bounce_fill_gbps, Metric.compile_graphs,
                                      Metric.recompiles, Metric.compile_seconds, Metric.compile_cache_hits,
                                      Metric.compile_cache_misses}
@@ -130,6 +130,8 @@ def test_the_runners_write_every_field_of_the_contract(jobs_done: dict[str, dict
     assert lazy[-1].get(Metric.disk_gbps) is not None and lazy[-1][Metric.disk_gbps] > 0
     assert _missing(lazy[-1], DISK_FIELDS) == [] and lazy[-1][Metric.disk_bytes] > 0  # the disk store's own fields
     assert lazy[-1][Metric.disk_stall_ms] >= 0 and 0 <= lazy[-1][Metric.disk_cache_hit_rate] <= 1
+    # every use that reached the store was served from its cache or read: the disk floor's bytes
+    assert lazy[-1][Metric.disk_cache_hit_bytes] + lazy[-1][Metric.disk_cache_miss_bytes] > 0
     assert infer[-1].get(Metric.host_store) == "bounce" and infer[-1].get(Metric.bounce_fill_gbps) is not None
     assert train[-1].get(Metric.host_store) == "arena"
     # the trainer options' fields: val_loss every VALIDATE_EVERY steps (and after the last), ema_distance every step
