@@ -99,11 +99,14 @@ class Parking:
             host.copy_(t)
         self.counters.parked_tensors += 1
         self.counters.parked_bytes += host.numel() * host.element_size()
-        if event is None:
-            return Parked(host, event, t.device)
+        p = Parked(host, event, t.device)
+        return self._track(p) if event is not None else p
+
+    def _track(self, p: Parked) -> Parked:
+        """Note ``p`` in the parking order (what the backward will want back ahead of its unpack)."""
         if self._order and self._order[-1]() is None:
             self._order = []  # the last forward's parked tensors went without a backward (a failed step)
-        p = Parked(host, event, t.device, len(self._order))
+        p.pos = len(self._order)
         self._order.append(weakref.ref(p))
         return p
 
@@ -125,16 +128,10 @@ class Parking:
         return out
 
     def _bring_back_before(self, p: Parked) -> None:
-        """Start the H2D copies of the ``AHEAD`` tensors parked just before ``p`` (the backward's next
-        ones); forget the ones parked after it (unpacked already, or never to be)."""
-        order = self._order
-        if not 0 <= p.pos < len(order) or order[p.pos]() is not p:
-            return  # parked before the list was last started anew (see park): nothing known around it
-        del order[p.pos:]
+        """Start the H2D copies of the tensors parked just before ``p`` (the backward's next ones)."""
         s = self._stream
-        for j in range(len(order) - 1, max(len(order) - 1 - AHEAD, -1), -1):
-            q = order[j]()
-            if q is None or q.back is not None or not q.host.is_pinned():
+        for q in self._ahead(p):
+            if not q.host.is_pinned():
                 continue
             with torch.cuda.stream(s):
                 s.wait_event(q.event)
@@ -145,3 +142,12 @@ class Parking:
                 q.back_event = torch.cuda.Event()
                 q.back_event.record(s)
             q.back = back
+
+    def _ahead(self, p: Parked) -> list[Parked]:
+        """The ``AHEAD`` tensors parked just before ``p`` that are not back yet, nearest first; the ones
+        parked after ``p`` are forgotten (unpacked already, or never to be)."""
+        order = self._order
+        if not 0 <= p.pos < len(order) or order[p.pos]() is not p:
+            return []  # parked before the list was last started anew (see _track): nothing known around it
+        del order[p.pos:]
+        return [q for q in (ref() for ref in reversed(order[-AHEAD:])) if q is not None and q.back is None]

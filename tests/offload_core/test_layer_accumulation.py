@@ -377,3 +377,36 @@ def test_a_small_view_of_a_large_activation_is_parked(monkeypatch: pytest.Monkey
     assert views and min(views) < 4096, "no small view of a large activation was parked"
     assert all(storage < 4096 for _, storage in kept), [k for k in kept if k[1] >= 4096]
     handle.remove()
+
+
+def test_parked_tensors_come_back_ahead_in_the_backwards_order() -> None:
+    """On a card each unpack starts the H2D copies of the tensors parked just before it (the backward
+    unpacks in about the reverse order of the parking): which ones, and that a forward whose backward
+    never ran does not leave the next one's bookkeeping wrong. The copies themselves need CUDA (the GPU
+    test); the order is plain Python."""
+    import gc
+
+    from offload_core.parking import AHEAD, Parked, Parking
+    from offload_core.stats import Counters
+
+    parking = Parking(torch.device("cpu"), Counters())
+
+    def parked(n: int) -> list[Parked]:
+        return [parking._track(Parked(torch.zeros(1), None, torch.device("cpu"))) for _ in range(n)]
+
+    ps = parked(10)
+    assert [p.pos for p in ps] == list(range(10))
+    want = ps[9 - AHEAD:9][::-1]  # the AHEAD parked just before the last one, nearest first
+    got = parking._ahead(ps[9])
+    assert got == want
+    for q in got:
+        q.back = torch.zeros(1)  # brought back: not asked for again
+    assert parking._ahead(ps[8]) == [ps[8 - AHEAD]]
+    assert parking._ahead(ps[9]) == []  # unpacked again (retain_graph): forgotten, nothing to bring back
+    assert parking._ahead(ps[2]) == ps[:2][::-1] and len(parking._order) == 2
+    # a forward whose backward never ran: its tensors went with the graph; the next forward starts anew
+    del ps, got, want, q
+    gc.collect()
+    fresh = parked(3)
+    assert [p.pos for p in fresh] == [0, 1, 2]
+    assert parking._ahead(fresh[2]) == fresh[:2][::-1]
