@@ -89,7 +89,8 @@ def _phase(jobs: list[dict[str, Any]]) -> dict[str, Any]:
                            "batches": [(j.get("last_metrics") or {}).get("batch_with") for j in jobs]}
     per = [r.get("image_seconds", r["seconds"]) for r in rows]
     out["s_per_image"] = statistics.median(per) if per else None
-    out["vram_peak_gib"] = max((r.get("vram_peak_bytes") or 0) for r in rows) / 2**30 if rows else None
+    peaks = [r["vram_peak_bytes"] for r in rows if r.get("vram_peak_bytes") is not None]
+    out["vram_peak_gib"] = max(peaks) / 2**30 if peaks else None  # None: no engine said (the resident run)
     bad = [j for j in jobs if j["status"] != "SUCCEEDED"]
     if bad:
         out["failed"] = [{"id": j["id"], "reason": j.get("reason"), "message": j.get("message"),
@@ -139,8 +140,9 @@ def _print(rep: dict[str, Any]) -> bool:
         ph = rep.get(k) or {}
         ratio = ph.get("s_per_image") / base if base and ph.get("s_per_image") else None
         print(f"{k:>9}: {ph.get('status')}; s/image {ph.get('s_per_image')}"
-              + (f" = {ratio:.2f}x resident" if ratio else "") + f"; peak VRAM {ph.get('vram_peak_gib')} GiB; "
-              f"largest batch {_shared(ph.get('batches') or [])} jobs", flush=True)
+              + (f" = {ratio:.2f}x resident" if ratio else "") + "; peak VRAM "
+              + (f"{ph['vram_peak_gib']} GiB; " if ph.get("vram_peak_gib") is not None else "- (no engine); ")
+              + f"largest batch {_shared(ph.get('batches') or [])} jobs", flush=True)
         if ph.get("failed"):
             print(json.dumps(ph["failed"], indent=1)[:4000])
             ok = False
@@ -151,7 +153,8 @@ def _print(rep: dict[str, Any]) -> bool:
         checks = {"together share one batch": _shared(t["batches"]) == 4,
                   "staggered: >= 3 share": _shared(rep["staggered"]["batches"]) >= 3,
                   "s/image <= 1.25x resident": t["s_per_image"] <= 1.25 * b,
-                  "peak VRAM <= cap": t["vram_peak_gib"] <= float(rep["cap"].removesuffix("GiB")),
+                  "peak VRAM <= cap": (t["vram_peak_gib"] is not None
+                                       and t["vram_peak_gib"] <= float(rep["cap"].removesuffix("GiB"))),
                   "bitwise vs resident batch": all(rep.get("bitwise_vs_resident_batch") or [False])}
         for name, good in checks.items():
             print(f"  {'PASS' if good else 'FAIL'}  {name}")
