@@ -364,17 +364,24 @@ def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> RingPlan:
 
 
 def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None = None,
-                max_seconds: float = 2.0) -> RingPlan | None:
+                max_seconds: float = 2.0, keep_units: bool = False) -> RingPlan | None:
     """No budget: deepen the ring into the device's free memory (less ``margin``) while the simulated stall falls.
 
-    When the simulation sees nothing to gain but the cycle really stalled (``measured_stall_ms``, at
-    least 2% of its busy time), the ring doubles anyway (within the free memory): the engine keeps a
-    growth only if the measured stall then falls, so a simulation that misjudges the copies cannot
-    hold the ring small. Returns None when there is no device limit to grow into (the CPU), or
-    growing would not help.
+    With ``keep_units`` (inference: no weight changes between calls) the free memory may also keep
+    streamed units on the device (sticky), whichever the simulation finds buys more per byte
+    (``choose``): where the copies set the pace, a deeper ring only moves them, a kept unit takes
+    its copy away. When the simulation sees nothing to gain but the cycle really stalled
+    (``measured_stall_ms``, at least 2% of its busy time), the ring doubles anyway (within the free
+    memory): the engine keeps a growth only if the measured stall then falls, so a simulation that
+    misjudges the copies cannot hold the ring small. Returns None when there is no device limit to
+    grow into (the CPU), or growing would not help.
     """
     if m.limit_bytes is None or m.peak_bytes is None or m.slot_bytes <= 1:
         return None
+    if keep_units:
+        plan = _grow_or_keep(m, margin, max_seconds)
+        if plan is not None:
+            return plan
     t0 = time.perf_counter()
     k_max = growth_room(m, margin)
     busy = sum(m.spans)
@@ -402,6 +409,23 @@ def plan_growth(m: Measurements, *, margin: int, measured_stall_ms: float | None
         best = times[k]
     return RingPlan(m.sticky, m.slots + k, max(m.depth, m.slots + k - 1), best, times[0], chosen_by,
                 _other(m), m.engine_bytes + k * m.slot_bytes, time.perf_counter() - t0)
+
+
+def _grow_or_keep(m: Measurements, margin: int, max_seconds: float) -> RingPlan | None:
+    """The free memory (less ``margin``) spent on ring slots and sticky units by simulated gain per byte;
+    None where that buys less than 1% of the cycle."""
+    headroom = m.limit_bytes - margin - m.peak_bytes  # type: ignore[operator]
+    if headroom <= 0:
+        return None
+    held = m.slots * m.slot_bytes + sum(m.nbytes[u] for u in m.sticky)
+    res = choose(m.trace, m.spans, m.copy_ms, m.nbytes, slot_bytes=m.slot_bytes, slots=m.slots, prefetch=m.depth,
+                 budget=held + headroom, forced=m.sticky, candidates=m.candidates, grow_depth=True, stale=m.stale,
+                 time_limit_s=max_seconds)
+    if res["start_ms"] - res["predicted_ms"] < 0.01 * res["start_ms"]:
+        return None
+    return RingPlan(frozenset(res["sticky"]), m.slots + res["extra_slots"], res["depth"], res["predicted_ms"],
+                    res["start_ms"], "free memory (slots and kept units)", _other(m),
+                    m.engine_bytes + res["used_bytes"] - held, res["seconds"])
 
 
 def growth_room(m: Measurements, margin: int) -> int:

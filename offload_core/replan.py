@@ -14,6 +14,8 @@ traced cycle timed (each use's busy time, the copy rate) and the device's peak o
   cycles on (twice at most): it read one cycle, and one slow cycle shows none.
   An inference ring grows into half the free memory only: a pipeline needs the rest for what runs
   after the transformer (the VAE decode, the next text encoder), which the ring cannot see coming.
+  Its room may also keep units on the device (``plan_growth(keep_units=True)``: slots or sticky units,
+  by simulated gain per byte), which ``release()`` gives back too.
   Narrow weights make it worth it: with fp8 storage a cycle is nearly copy-bound, and the slots
   past the smallest ring let the copies of the next call's first (widest) blocks run during this
   call's last (compute-heavy) ones. ``release()`` gives the grown slots back to torch's allocator
@@ -42,6 +44,7 @@ class Replanner:
         cfg = e.config
         self.depth0 = e.schedule.depth
         self.slots0 = len(e.ring.slots)
+        self.sticky0 = frozenset(e.ring.sticky)  # units kept from the setup on: release() keeps them
         self.budget = cfg.vram_budget
         # a device with a memory limit to grow into (a card; None on the CPU)
         self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
@@ -58,7 +61,8 @@ class Replanner:
         self.retry_at = 0  # the cycle at whose start the next retry is
         self.sampled_peak = 0  # the device's peak reading, taken at every use while deciding
         self._tail_task = -1  # the backward pass whose end is already queued to read the peak
-        self.restore: tuple[int, int] | None = None  # (slots, depth) release() gave back, taken again at the next call
+        # (slots, depth, kept units) release() gave back, taken again at the next call
+        self.restore: tuple[int, int, frozenset[int]] | None = None
         self.released = 0  # times release() gave slots back
 
     # ------------------------------------------------------------------ measuring
@@ -139,25 +143,31 @@ class Replanner:
         call is running). A decision still being made ends with the plan in force."""
         e = self.e
         extra = len(e.ring.slots) - self.slots0
-        if extra <= 0 or not self.grow or e.in_call():
+        kept = frozenset(e.ring.sticky) - self.sticky0  # units the growth kept on the device (inference)
+        if extra <= 0 and not kept or not self.grow or e.in_call():
             return 0
         if self.active:
             self.active = False
             self.before = None
             self.retry_at = 0
-        self.restore = (len(e.ring.slots), e.schedule.depth)
+        self.restore = (len(e.ring.slots), e.schedule.depth, kept)
         e.synchronize()  # no copy may still be landing in a slot that is freed
         e.schedule.depth = self.depth0
+        for uid in kept:
+            e.ring.drop_sticky(uid)
         e.ring.resize(self.slots0, keep=set(e.schedule.upcoming(self.depth0 + 1)) | e.bound_uids())
         self.released += 1
         e.prediction["released"] = self.released
-        return (self.restore[0] - len(e.ring.slots)) * e.ring.slot_bytes
+        return ((self.restore[0] - len(e.ring.slots)) * e.ring.slot_bytes
+                + sum(e.units[uid].nbytes for uid in kept))
 
     def at_cycle_start(self) -> None:
         e, k = self.e, self.e.schedule.cycles
         if self.restore is not None:
-            slots, depth = self.restore
+            slots, depth, kept = self.restore
             self.restore = None
+            for uid in sorted(kept):
+                e.ring.add_sticky(uid, e.units[uid].nbytes)  # loaded again at its first use
             e.ring.resize(slots)
             e.schedule.depth = depth  # the call's first prefetch (_prefetch_first) fills them
         if not self.active:
@@ -237,7 +247,7 @@ class Replanner:
         e = self.e
         stall = self.cycle_stall(k - 1)
         margin = self.margin(m)
-        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall)
+        plan = planner.plan_growth(m, margin=margin, measured_stall_ms=stall, keep_units=not self.training)
         e.prediction.update(growth_room_slots=planner.growth_room(m, margin), growth_measured_stall_ms=stall,
                             growth_busy_ms=sum(m.spans), growth_margin_bytes=margin)
         if plan is None:

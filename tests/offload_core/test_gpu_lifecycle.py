@@ -356,13 +356,14 @@ def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae() ->
         _report("inference_growth", {"cap": cap, "slots": grown, "depth": st["prefetch_depth"], "freed": freed,
                                      "allocated_before": before, "allocated_after": after,
                                      "plan": {k: v for k, v in plan.items() if isinstance(v, (int, float, str))}})
+        kept = st["sticky_units"]  # the room may keep units on the device instead of (or beside) slots
         assert all(torch.equal(o, want) for o in outs), "outputs differ from resident"
-        assert grown > 3 and plan["chosen_by"].startswith("free memory"), plan
+        assert (grown > 3 or kept > 0) and plan["chosen_by"].startswith("free memory"), plan
         assert plan["planned_device_bytes"] <= limit - plan["growth_margin_bytes"]
         assert plan["growth_margin_bytes"] >= max(512 * MiB, int(0.05 * limit))
-        assert freed == (grown - 3) * st["slot_bytes"] and before - after == freed
+        assert freed == (grown - 3) * st["slot_bytes"] + st["sticky_bytes"] and before - after == freed
         vae = torch.empty(freed + (plan["growth_margin_bytes"] // 2), dtype=torch.uint8, device=CUDA)  # fits now
         del vae
         assert torch.equal(ref(x.to(CUDA)).cpu(), want)
-        assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
+        assert (h.stats()["slot_count"], h.stats()["sticky_units"]) == (grown, kept), "the next call takes them again"
         h.remove()

@@ -66,6 +66,19 @@ def test_no_growth_when_more_slots_do_not_help() -> None:
     assert big is not None and big.predicted_ms < big.start_ms / 2
 
 
+def test_copy_bound_inference_keeps_units_where_slots_buy_nothing() -> None:
+    # the same copy-bound inference: the two slots' worth of room kept as two units takes two copies of
+    # eight away (each 4 ms of a 32 ms cycle), where two more slots moved the copies and bought nothing
+    m = _turnaround(limit_bytes=1200 * MiB, trace=tuple(range(8)), spans=(1.0,) * 8)
+    plan = plan_growth(m, margin=0, keep_units=True)
+    assert plan is not None and len(plan.sticky) == 2 and plan.slots == 3, plan
+    assert plan.predicted_ms == pytest.approx(plan.start_ms - 2 * 4.0)
+    assert plan.device_bytes - m.engine_bytes == 200 * MiB  # the room, no more
+    assert plan.chosen_by == "free memory (slots and kept units)"
+    # training never keeps units this way (its plan stays slots: the backward's turnaround is what they buy)
+    assert plan_growth(m, margin=0) is None
+
+
 def test_stale_units_are_never_cache_hits_across_cycles() -> None:
     trace = list(range(4)) + list(reversed(range(4)))
     copy_ms = {u: 4.0 for u in range(4)}
@@ -248,6 +261,43 @@ def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card
     assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
     assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
     assert h.stats()["plan"]["released"] == 1
+    h.remove()
+
+
+def test_units_the_inference_growth_kept_are_given_back_and_kept_again(card: dict,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the growth keeps units on the device (copy-bound inference, planner._grow_or_keep),
+    release_growth() frees their buffers too, and the next call keeps them again (loaded at their first
+    use); outputs stay bitwise the resident model's. The decision is stood in for (two units kept, one
+    slot more): the choice itself is the test above, on numbers."""
+    from offload_core import planner
+    from offload_core.replan import Replanner
+
+    calls = []
+    monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: calls.append(c) or 1000.0 / len(calls))
+
+    def two_kept(m, margin, max_seconds):
+        keep = frozenset(sorted(m.candidates)[:2])
+        return planner.RingPlan(keep, m.slots + 1, m.slots, 1.0, 2.0, "free memory (slots and kept units)", 0,
+                                m.engine_bytes + m.slot_bytes + sum(m.nbytes[u] for u in keep))
+
+    monkeypatch.setattr(planner, "_grow_or_keep", two_kept)
+    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
+    case = CASES["toy"]
+    model = case.build("frozen")
+    ref = copy.deepcopy(model)
+    seeds = tuple(range(8))
+    want = infer(case, ref, seeds=seeds)
+    h = enable_offload(model, target_device="cpu")
+    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    st = h.stats()
+    assert st["plan"]["chosen_by"] == "free memory (slots and kept units)", st["plan"]
+    assert (st["sticky_units"], st["slot_count"]) == (2, 4)
+    kept_bytes = st["sticky_bytes"]
+    assert h.release_growth() == st["slot_bytes"] + kept_bytes
+    assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (0, 3)
+    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (2, 4), "the next call keeps them again"
     h.remove()
 
 
