@@ -156,9 +156,6 @@ class Lockstep:
         self._local = threading.local()
         self._seq_at = [0] * k  # each worker's sequence number where its last segment ended
         self._target = [0] * k  # where its next segment starts (set by the caller before each turn)
-        self._began = [0] * k  # where its current segment began
-        self.rounds: list[list[tuple[int, int, int]]] = []  # per round, (worker, first, last sequence number)
-        self.overlaps = 0  # segments that began below the one before them in the round (padding skipped)
         self._abort = False
         self._done = [False] * k
         self._holder: int | None = None  # the worker holding the baton, while the caller waits for it
@@ -189,15 +186,12 @@ class Lockstep:
             raise _Aborted
         behind = self._target[w] - _seq()
         if 0 < behind <= _PAD_LIMIT:
-            # skip to this worker's range of sequence numbers for the round (_number_round): one tiny
+            # skip to just above where the worker before it in the round ended (run): one tiny
             # autograd node a number, dropped at once
             self.padded += behind
             pad = torch.zeros((), requires_grad=True)
             for _ in range(behind):
                 pad.view(())
-        elif behind > 0:
-            self.overlaps += 1  # a huge gap: left as it is (more recomputes alive at once, still correct)
-        self._began[w] = _seq()
         self._on_resume(w)
 
     def _arrived(self, w: int) -> None:
@@ -230,17 +224,14 @@ class Lockstep:
         try:
             while alive:
                 top = max(self._seq_at)  # every range of the last round lies below
-                ranges = []
                 for w in alive:
                     # this worker's segment starts where the one before it in the round ended: the ranges
                     # stack up exactly, however wide each segment turns out (autograd runs the highest first)
                     self._target[w] = top
                     self._turn(w)
-                    ranges.append((w, self._began[w], self._seq_at[w]))
                     top = max(top, self._seq_at[w])
                     if self.errors[w] is not None and not self._abort:
                         self._abort = True
-                self.rounds.append(ranges)
                 alive = [w for w in alive if not self._done[w]]
                 self.switches += len(alive)
         finally:
