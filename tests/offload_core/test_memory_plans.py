@@ -225,6 +225,23 @@ def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, mon
     mgr.remove()
 
 
+def _inference_on_a_card(card: dict) -> tuple:
+    """The frozen toy under the engine on a 4 GiB emulated card (200 MiB peak), one call run and checked
+    bitwise against resident; ``rerun()`` runs and checks another."""
+    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
+    case = CASES["toy"]
+    model = case.build("frozen")
+    seeds = tuple(range(8))
+    want = infer(case, copy.deepcopy(model), seeds=seeds)
+    h = enable_offload(model, target_device="cpu")
+
+    def rerun() -> None:
+        assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+
+    rerun()
+    return h, rerun
+
+
 def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card: dict,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A pipeline needs memory after the transformer (the VAE decode): an inference ring grows into
@@ -240,14 +257,7 @@ def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card
         return 1000.0 / len(calls)
 
     monkeypatch.setattr(Replanner, "cycle_stall", falling)
-    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
-    case = CASES["toy"]
-    model = case.build("frozen")
-    ref = copy.deepcopy(model)
-    seeds = tuple(range(8))
-    want = infer(case, ref, seeds=seeds)
-    h = enable_offload(model, target_device="cpu")
-    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    h, rerun = _inference_on_a_card(card)
     st = h.stats()
     plan = st["plan"]
     assert st["slot_count"] > 3 and st["prefetch_depth"] == st["slot_count"] - 1, plan
@@ -258,7 +268,7 @@ def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card
     assert h.release_growth() == (grown - 3) * st["slot_bytes"]
     assert (h.stats()["slot_count"], h.stats()["prefetch_depth"]) == (3, 2)
     assert h.release_growth() == 0, "nothing left to give back"
-    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    rerun()
     assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
     assert h.stats()["plan"]["released"] == 1
     h.remove()
@@ -282,21 +292,14 @@ def test_units_the_inference_growth_kept_are_given_back_and_kept_again(card: dic
                                 m.engine_bytes + m.slot_bytes + sum(m.nbytes[u] for u in keep))
 
     monkeypatch.setattr(planner, "_grow_or_keep", two_kept)
-    card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
-    case = CASES["toy"]
-    model = case.build("frozen")
-    ref = copy.deepcopy(model)
-    seeds = tuple(range(8))
-    want = infer(case, ref, seeds=seeds)
-    h = enable_offload(model, target_device="cpu")
-    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    h, rerun = _inference_on_a_card(card)
     st = h.stats()
     assert st["plan"]["chosen_by"] == "free memory (slots and kept units)", st["plan"]
     assert (st["sticky_units"], st["slot_count"]) == (2, 4)
     kept_bytes = st["sticky_bytes"]
     assert h.release_growth() == st["slot_bytes"] + kept_bytes
     assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (0, 3)
-    assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
+    rerun()
     assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (2, 4), "the next call keeps them again"
     h.remove()
 
