@@ -27,3 +27,19 @@ def test_the_runner_modules_raise_the_named_classes() -> None:
     assert folders.FamilyError is runner_errors.FamilyError
     known = runner_errors.classify_exception(folders.FamilyError("model.path: x is not a folder"))
     assert known == ("setup_failed", "model.path: x is not a folder", 2)
+
+
+def test_an_out_of_memory_hidden_behind_an_error_raised_while_unwinding_is_named() -> None:
+    # On CUDA, an out-of-memory inside a layer-major step came out as torch's internal assert from a
+    # checkpoint hook's exit, with the OOM only in the chain: the job must still say out of GPU memory.
+    import torch
+
+    try:
+        try:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 54.00 MiB.\nmore")
+        except torch.cuda.OutOfMemoryError:
+            raise RuntimeError("is_initialized && !tls.stack.empty() INTERNAL ASSERT FAILED")  # noqa: B904
+    except RuntimeError as exc:
+        known = runner_errors.classify_exception(exc)
+    assert known == ("cuda_oom", "out of GPU memory: CUDA out of memory. Tried to allocate 54.00 MiB.", 1)
+    assert runner_errors.classify_exception(RuntimeError("a bug")) is None  # a plain bug still raises
