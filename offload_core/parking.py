@@ -2,7 +2,8 @@
 
 With ``park_saved_tensors=True`` the engine's saved-tensor hooks (``Binder.pack_saved``, entered for
 every forward with grad under the engine, each layer-major worker's included) copy each saved
-activation of at least ``PARK_MIN`` bytes to host memory and let the device copy go; the backward's
+activation of at least ``PARK_MIN`` bytes, or a view of a storage that large (the view would keep
+all of it alive), to host memory and let the device copy go; the backward's
 unpack copies it back on the stream that asks for it. Weights are never parked (streamed ones are
 saved as references to their unit; resident ones are parameters).
 
