@@ -70,11 +70,14 @@ def main() -> int:
     cuda = dev.type == "cuda"
     wl = get_workload("flux-dev-lora-8g", args.tiny,
                       lora_dtype=torch.bfloat16 if args.lora_dtype == "bf16" else torch.float32)
+    by_name = {v.name: v for v in variants_for(wl)}
+    unknown = [n for n in args.variants.split(",") if n not in by_name]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(by_name)})")
     t0 = time.perf_counter()
     master = wl.build()
     inputs = wl.make_inputs(dev)
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-    by_name = {v.name: v for v in variants_for(wl)}
     rows = []
     for name in args.variants.split(","):
         variant = at_tier(by_name[name], args.link_gbps)
