@@ -530,11 +530,22 @@ class OffloadEngine:
         if src is None:
             return None  # a store still fetching the bytes: prefetch it later
         if slot is None:
-            slot = self.ring.grow()
+            slot = self._farthest_free(u.uid) or self.ring.grow()
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1
         self.store.release(u.uid, self.transfer.load(u, slot, src))
         return slot
+
+    def _farthest_free(self, uid: int) -> Slot | None:
+        """For a unit needed now that no free slot outside the lookahead can take: the free slot of
+        the unit the trace needs last (its prefetch is redone later), so the ring keeps the size its
+        plan gave it. A disk store that could not serve a prefetch in time leaves later units in
+        every slot; growing a slot then took memory the plan had given the activations."""
+        for ahead in reversed(self.schedule.upcoming(self.schedule.depth + 1)):
+            slot = self.ring.lookup(ahead)
+            if ahead != uid and slot is not None and slot.index >= 0 and slot.is_free():
+                return slot
+        return None
 
     # ------------------------------------------------------------------ planning (replan.py)
     def predict(self) -> float | None:

@@ -37,3 +37,34 @@ def test_a_call_starts_with_its_first_depth_plus_one_units_loaded_or_queued() ->
     assert h.stats()["cache_misses"] == misses
     h.remove()
 
+
+
+def test_a_unit_needed_now_takes_the_slot_of_the_unit_needed_last_rather_than_growing_the_ring() -> None:
+    """A disk store that cannot serve a prefetch in time leaves the units after it in every slot; the
+    unit then needed now takes the slot of the one the trace needs last (its prefetch is redone), so
+    the ring keeps its planned size (a grown slot, 650 MiB at Flux-dev size, took the activations'
+    memory: an 8 GiB training job on the disk tier ran out of memory at its fifth step)."""
+    case = CASES["toy"]
+    ref = case.build("frozen")
+    model = copy.deepcopy(ref)
+    h = enable_offload(model, target_device="cpu")
+    e = h.engine
+    assert_bitwise(infer(case, ref, seeds=(0, 1)), infer(case, model, seeds=(0, 1)), "output")
+    depth, trace = e.schedule.depth, e.schedule.trace
+    ahead = e.schedule.upcoming(depth + 1)
+    slots = len(e.ring.slots)
+    with e.lock:  # every slot holds a unit of the lookahead (prefetched as a late store allows)
+        for uid in ahead:
+            if e.ring.lookup(uid) is None:
+                assert e._load(e.units[uid], e._keep(-1), urgent=False) is not None
+    assert slots == depth + 1 and all(e.ring.lookup(uid) is not None for uid in ahead)
+    now = next(uid for uid in trace if uid not in ahead)  # a unit no slot holds, needed now
+    with e.lock:
+        slot = e._load(e.units[now], e._keep(now), urgent=True)
+    assert e.ring.grows == 0 and len(e.ring.slots) == slots
+    assert e.ring.lookup(now) is slot and e.ring.lookup(ahead[-1]) is None  # the farthest gave its slot
+    assert all(e.ring.lookup(uid) is not None for uid in ahead[:-1])
+    # the evicted unit is loaded again when it is needed: the outputs stay the resident model's
+    assert_bitwise(infer(case, ref, seeds=(2, 3)), infer(case, model, seeds=(2, 3)), "output")
+    assert e.ring.grows == 0 and len(e.ring.slots) == slots
+    h.remove()
