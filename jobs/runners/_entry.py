@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -13,7 +14,7 @@ from typing import Any, NoReturn
 
 from jobs.spec import JobSpec, load_spec
 
-__all__ = ["load_job", "fail", "write_metrics", "imports_without_gc", "import_family"]
+__all__ = ["load_job", "fail", "write_metrics", "imports_without_gc", "import_family", "exit_without_collecting"]
 
 
 def load_job(argv: list[str] | None = None) -> tuple[JobSpec, Path]:
@@ -21,7 +22,22 @@ def load_job(argv: list[str] | None = None) -> tuple[JobSpec, Path]:
     run_dir = Path(args[0] if args else os.environ["OFFLOAD_JOBS_RUN_DIR"])
     spec = load_spec(run_dir / "spec.yaml")
     hide_unused_packages(spec)
+    atexit.register(exit_without_collecting)
     return spec, run_dir
+
+
+def exit_without_collecting() -> None:
+    """What `load_job` registers to run at exit: `gc.freeze()`, so the interpreter's own collections
+    while it shuts down skip every object the job made.
+
+    A job's child is about to end: nothing is left worth collecting, but the interpreter's shutdown
+    runs full collections over every tracked object (the train runner unfreezes the ~700k objects of
+    its libraries when its loop ends): about 1.5 s of CPU after a train job's last line on a CPU box
+    (measured: a 2-step tiny train job's child 5.3 -> 3.8 s of CPU). The job's files are written and
+    closed before (metrics and events are appended line by line; the LoRA, checkpoints and the exit
+    report are written whole).
+    """
+    gc.freeze()
 
 
 def hide_unused_packages(spec: JobSpec) -> None:

@@ -3,7 +3,9 @@
 One thread. It wakes at once on submit or cancel (an Event) and otherwise every `tick` seconds
 to poll children, enforce `limits.max_duration` and finish SIGTERM -> SIGKILL escalations. A
 worker of its own store with nothing running and nothing to claim waits `IDLE_TICK_S` instead:
-only a submit, a retry or a reap (each wakes it) can give it work then.
+only a submit, a retry or a reap (each wakes it) can give it work then. For the same reason, while
+its children run it reads its store (claims, cancellations) only when woken, when an attempt ended,
+or `IDLE_TICK_S` after the last read, not every tick.
 GPU jobs take GPU slots (one job per GPU); gpus == 0 jobs share `max_cpu_jobs` slots.
 
 Exactly once, through crashes:
@@ -172,15 +174,24 @@ class Scheduler(LoopThread):
     # ------------------------------------------------------------ loop
     def _loop(self) -> None:
         idle = False
+        store_due = 0.0  # own store: when it is read again without a wake
         while not self._stop.is_set():
-            self._wake.wait(max(self.tick, IDLE_TICK_S) if idle else self.tick)
+            woken = self._wake.wait(max(self.tick, IDLE_TICK_S) if idle else self.tick)
             self._wake.clear()
             idle = False
+            now = time.monotonic()
+            # Shared stores keep the tick: other workers' submits and cancels reach this one's queue
+            # too. Its own store changes only through this worker, whose API wakes the loop (a submit, a
+            # cancel, a retry; an ended attempt wakes it too): the tick's reads while children run would
+            # find nothing new (two queries a tick, ~3% of a core per running worker).
+            read_store = woken or self.store.shared or now >= store_due
             try:
-                self._poll_running()
-                if not self._stop.is_set():
-                    # Shared stores keep the tick: other workers' submits reach this one's queue too.
+                self._poll_running(read_store=read_store)
+                if not self._stop.is_set() and read_store:
+                    store_due = now + IDLE_TICK_S
                     idle = self._start_pending() and not self.running and not self.shared
+                    if self._claim_blocked_until > now:  # held for a batch's partners: read again then
+                        store_due = min(store_due, self._claim_blocked_until)
             except Exception:  # the loop must survive a bad job; log it and go on
                 log.exception("scheduler iteration failed")
                 time.sleep(self.tick)
@@ -426,11 +437,11 @@ class Scheduler(LoopThread):
             self._executors[name] = get_executor(name)
         return self._executors[name]
 
-    def _poll_running(self, final: bool = False) -> None:
+    def _poll_running(self, final: bool = False, read_store: bool = True) -> None:
         if not self.running:
             return
         now = time.monotonic()
-        cancelling = self._cancelling_ids()
+        cancelling = self._cancelling_ids() if read_store else set()  # a cancel wakes the loop
         if self.shared and not final:
             self._deliver_controls(now)
         for r in list(self.running.values()):

@@ -250,6 +250,27 @@ def test_foreign_host_header_is_refused(worker) -> None:
         assert httpx.get(f"{worker.url}/v1/jobs", headers={**auth, "Host": host}).status_code == 200, host
 
 
+def test_wait_is_woken_by_the_jobs_events_not_by_polling(worker) -> None:
+    """`wait` reads the job again when one of its events arrives (or every WAIT_STREAM_S): a job that
+    runs ~1.5 s costs a handful of reads, not one every `poll` seconds (150 here), and a cancel ends
+    the wait."""
+    reads: list[str] = []
+    with worker.client() as c:
+        c._http.event_hooks["request"].append(lambda r: reads.append(r.url.path))
+        job = c.submit({"kind": "command", "name": "waited", "command": "sleep 1.5"})
+        done = c.wait(job["id"], timeout=60, poll=0.01)
+        assert done["status"] == "SUCCEEDED"
+        gets = [p for p in reads if p == f"/v1/jobs/{job['id']}"]
+        assert 1 <= len(gets) < 20, reads  # one per status change and one every 2 s (polling: >= 150)
+        held = c.submit({"kind": "command", "name": "held", "command": "sleep 60"})
+        def cancel() -> None:
+            with worker.client() as other:
+                other.cancel(held["id"])
+
+        threading.Timer(1.0, cancel).start()
+        assert c.wait(held["id"], timeout=60)["status"] == "CANCELLED"
+
+
 def test_events_stream_with_ids_and_resume(client: JobsClient) -> None:
     seen: list[dict] = []
     start_id = client.list(limit=1)  # any request; make sure the worker is idle enough
