@@ -265,8 +265,10 @@ def test_inference_grows_into_half_the_room_and_gives_it_back_between_calls(card
     assert plan["growth_margin_bytes"] == room // 2, "half the room above the peak stays free"
     assert plan["planned_device_bytes"] <= card["limit"] - room // 2, plan
     grown = st["slot_count"]
-    assert h.release_growth() == (grown - 3) * st["slot_bytes"]
-    assert (h.stats()["slot_count"], h.stats()["prefetch_depth"]) == (3, 2)
+    # the growth may also keep units (whichever the simulation of the CPU's measured times finds pays more):
+    # they are given back too
+    assert h.release_growth() == (grown - 3) * st["slot_bytes"] + st["sticky_bytes"]
+    assert (h.stats()["slot_count"], h.stats()["prefetch_depth"], h.stats()["sticky_bytes"]) == (3, 2, 0)
     assert h.release_growth() == 0, "nothing left to give back"
     rerun()
     assert h.stats()["slot_count"] == grown, "the next call takes the grown slots again"
