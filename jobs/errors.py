@@ -30,7 +30,10 @@ Bugs still raise ordinary exceptions.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 __all__ = [
+    "chain",
     "JobsError",
     "SpecError",
     "WorkerUnreachable",
@@ -114,3 +117,13 @@ class RequestTooLarge(JobsError, ValueError):
 
 class ExecutorError(JobsError, RuntimeError):
     """An executor cannot run jobs here (e.g. no Docker daemon)."""
+
+
+def chain(exc: BaseException | None, limit: int = 16) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling (``__cause__``, else ``__context__``), and
+    so on: at most ``limit`` exceptions, each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and len(seen) < limit:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__

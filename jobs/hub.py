@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jobs.contract import Reason
+from jobs.errors import chain
 
 __all__ = ["HubRef", "HubError", "parse_hub_id", "hub_token", "fetch_model", "plan_fetch", "FetchPlan",
            "TOKEN_ENV", "TOKEN_FILE_ENV"]
@@ -131,12 +132,7 @@ _UNREACHABLE = {"HubUnreachable", "ConnectError", "ConnectTimeout", "TimeoutExce
 
 def _unreachable(exc: BaseException | None) -> bool:
     """The hub could not be asked (no network, a proxy, offline mode): somewhere in the exception chain."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if any(c.__name__ in _UNREACHABLE for c in type(exc).__mro__):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return any(c.__name__ in _UNREACHABLE for e in chain(exc, limit=8) for c in type(e).__mro__)
 
 
 class HubUnreachable(ConnectionError):

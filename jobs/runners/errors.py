@@ -12,7 +12,7 @@ import sys
 from typing import Callable
 from jobs.contract import Reason
 
-from jobs.errors import JobsError
+from jobs.errors import JobsError, chain
 
 __all__ = ["RunnerInputError", "DatasetError", "FamilyError", "CheckpointError", "LoraError", "PromptError", "OptimizerError",
            "SetupError", "NonFiniteLoss", "NoCuda", "classify_exception", "reporting_failures"]
@@ -82,23 +82,12 @@ def classify_exception(exc: BaseException) -> tuple[str, str, int] | None:
     if core is not None and isinstance(exc, core.OffloadError):
         return Reason.SETUP_FAILED, f"offload: {exc}", 2
     torch = sys.modules.get("torch")
-    oom = _in_chain(exc, torch.cuda.OutOfMemoryError) if torch is not None else None
+    ooms = [e for e in chain(exc) if isinstance(e, torch.cuda.OutOfMemoryError)] if torch is not None else []
+    oom = ooms[0] if ooms else None
     if oom is not None:  # itself, or what an error raised while unwinding from it (a hook's exit) hides
         return Reason.CUDA_OOM, f"out of GPU memory: {str(oom).splitlines()[0]}", 1
     if isinstance(exc, MemoryError):
         return Reason.HOST_OOM, f"out of host memory: {exc}", 1
-    return None
-
-
-def _in_chain(exc: BaseException, kind: type) -> BaseException | None:
-    """``exc`` or the first exception of its ``__cause__`` / ``__context__`` chain that is a ``kind``."""
-    seen: set[int] = set()
-    at: BaseException | None = exc
-    while at is not None and id(at) not in seen:
-        if isinstance(at, kind):
-            return at
-        seen.add(id(at))
-        at = at.__cause__ or at.__context__
     return None
 
 
