@@ -224,6 +224,8 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-phase", offload_granularity="phase"))
     if wl.name in ("p1", "flux-dev-lora-8g", "flux-dev-infer-8g"):
         out.append(ours_variant("ours-fp8", weight_dtype="float8_e4m3fn"))  # the default scaling (row)
+        # units the plan keeps on the device held widened (as before keep_narrow): the A/B of keeping fp8 bytes
+        out.append(ours_variant("ours-fp8-keep-widened", weight_dtype="float8_e4m3fn", keep_narrow=False))
         # the other fp8 scalings, for the speed side of the quality trade (bench/RESULTS.md, "fp8 quality")
         out.append(ours_variant("ours-fp8-tensor", weight_dtype="float8_e4m3fn", fp8_scaling="tensor"))
         out.append(ours_variant("ours-fp8-block", weight_dtype="float8_e4m3fn", fp8_scaling="block"))

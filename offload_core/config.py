@@ -112,6 +112,10 @@ class OffloadConfig:
     # 128 x 128 tile ("block"); quant.py. None: row (the measured trade: bench/RESULTS.md, "fp8
     # quality"); with lazy_load, what the shards hold (set, it must be what they hold).
     fp8_scaling: str | None = None
+    # Units a plan keeps on the device (sticky) that are stored narrower (fp8) keep their stored bytes
+    # there and are widened into a ring slot at each use: half the device bytes per kept unit, so the
+    # same room takes twice the bytes off the link. False: kept widened (the bench's A/B).
+    keep_narrow: bool = True
     # Compile each repeated block class once with torch.compile (regional, static shapes), the
     # engine's hooks outside the compiled region (compiled.py). The first step pays the compile
     # (tens of seconds at Flux-dev size); swapping weights between slots never recompiles. Needs

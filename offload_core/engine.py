@@ -526,6 +526,14 @@ class OffloadEngine:
             slot = self.ring.pick_victim(keep)
         if slot is None and not urgent:
             return None
+        if self.widener.kept.get(u.uid):  # kept narrow, its bytes on the device already: widened only
+            if slot is None:
+                slot = self._farthest_free(u.uid) or self.ring.grow()
+            if self.ring.assign(slot, u.uid) is not None:
+                self.counters.cache_evictions += 1
+            self.transfer.widen_kept(u, slot)
+            self.counters.kept_widens += 1
+            return slot
         src = self.store.acquire(u.uid, block=urgent)
         if src is None:
             return None  # a store still fetching the bytes: prefetch it later
@@ -546,6 +554,34 @@ class OffloadEngine:
             if ahead != uid and slot is not None and slot.index >= 0 and slot.is_free():
                 return slot
         return None
+
+    # ------------------------------------------------------------------ units kept on the device
+    def kept_units(self) -> frozenset[int]:
+        """Streamed units a plan keeps on the device: in a buffer of their own (``ring.sticky``,
+        widened), or as their stored bytes, widened at each use (``widener.kept``)."""
+        return frozenset(self.ring.sticky) | frozenset(self.widener.kept)
+
+    def _narrow(self, uid: int) -> bool:
+        u = self.units[uid]  # (a unit bigger than a slot cannot pass through the ring: kept widened)
+        return self.config.keep_narrow and u.converted and not u.trainable and u.nbytes <= self.ring.slot_bytes
+
+    def keep_cost(self, uid: int) -> int:
+        """Device bytes keeping uid takes: its stored bytes where it is kept narrow."""
+        u = self.units[uid]
+        return u.store_nbytes if self._narrow(uid) else u.nbytes
+
+    def keep_unit(self, uid: int) -> None:
+        if uid in self.ring.sticky or uid in self.widener.kept:
+            return
+        if self._narrow(uid):
+            self.widener.keep(self.units[uid])  # filled by its next load, which copies as before
+        else:
+            self.ring.add_sticky(uid, self.units[uid].nbytes)
+
+    def unkeep_unit(self, uid: int) -> None:
+        """uid streams through the ring from the host again (the caller has synchronized)."""
+        self.ring.drop_sticky(uid)
+        self.widener.unkeep(uid)
 
     # ------------------------------------------------------------------ planning (replan.py)
     def predict(self) -> float | None:
@@ -588,6 +624,7 @@ class OffloadEngine:
         streamed = sum(u.nbytes for u in self.streamed if u.uid not in sticky_uids)
         sticky = sum(u.nbytes for u in self.streamed if u.uid in sticky_uids)
         resident = sticky + sum(t.nbytes for u in self.units if not u.streamed for t in u.tensors)
+        narrow = self.widener.kept  # kept as their stored bytes: streamed through the ring, from the device
         resident += sum(
             (m._parameters if p else m._buffers)[a].numel() * (m._parameters if p else m._buffers)[a].element_size()
             for m, a, p in self.layout.resident
@@ -622,8 +659,9 @@ class OffloadEngine:
             weight_bytes=streamed + resident,
             streamed_bytes=streamed,
             resident_bytes=resident,
-            sticky_bytes=sticky,
-            sticky_units=len(sticky_uids),
+            sticky_bytes=sticky + self.widener.kept_bytes,
+            sticky_units=len(sticky_uids) + len(narrow),
+            kept_narrow_units=len(narrow),
             slot_count=len(self.ring.slots),
             slot_bytes=self.ring.slot_bytes,
             slot_grows=self.ring.grows,

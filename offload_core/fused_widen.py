@@ -106,6 +106,10 @@ class FusedWidener:
     def forget(self, uid: int) -> None:
         self._by_uid.pop(uid, None)
 
+    def drop_raw(self, raw: torch.Tensor) -> None:
+        """A raw buffer being freed: its cached float32 view must not keep its memory."""
+        self._scales.pop(raw.data_ptr(), None)
+
     def widen(self, u: Unit, raw: torch.Tensor, buf: torch.Tensor) -> None:
         """Write u's scaled tensors into the slot ``buf`` from its stored bytes in ``raw`` (both uint8)."""
         got = self._by_uid.get(u.uid)

@@ -298,6 +298,11 @@ class Measurements:
     stale: frozenset[int] = frozenset()  # units whose device copy goes stale every cycle (trainable)
     fixed_bytes: int = 0         # engine device bytes besides ring and sticky (resident tensors, staging)
     engine_bytes: int = 0        # everything the engine held on the device while measured
+    # what keeping a unit on the device costs, where not its device bytes: a unit stored narrower (fp8)
+    # is kept as its stored bytes and widened into a ring slot at each use (engine.keep_cost). The
+    # simulation counts it as sticky (no copy; the slot it passes through and its widening, on a
+    # stream of its own, are not modelled): the engine keeps a growth only if the measured stall fell.
+    keep_bytes: dict[int, int] = field(default_factory=dict)
     peak_bytes: int | None = None   # peak allocated on the device during the measured cycles (None: unknown)
     limit_bytes: int | None = None  # what the device lets this process allocate (None: not a card)
 
@@ -329,6 +334,11 @@ def predict(m: Measurements) -> float:
     return simulate(m.trace, m.spans, m.copy_ms, m.slots, m.depth, m.sticky, stale=m.stale)
 
 
+def _costs(m: Measurements) -> dict[int, int]:
+    """Each streamed unit's device bytes if kept (``choose``'s ``nbytes``)."""
+    return {u: m.keep_bytes.get(u, n) for u, n in m.nbytes.items()}
+
+
 def _other(m: Measurements) -> int:
     return 0 if m.peak_bytes is None else max(0, m.peak_bytes - m.engine_bytes)
 
@@ -356,7 +366,7 @@ def plan_budget(m: Measurements, budget: int, *, grow_depth: bool) -> RingPlan:
     ring as it is (and units bigger than a slot) must fit in what is left, or this raises.
     """
     room = budget_room(m, budget)
-    res = choose(list(m.trace), list(m.spans), m.copy_ms, m.nbytes, slot_bytes=m.slot_bytes, slots=m.slots,
+    res = choose(list(m.trace), list(m.spans), m.copy_ms, _costs(m), slot_bytes=m.slot_bytes, slots=m.slots,
                  prefetch=m.depth, budget=room, forced=m.forced, candidates=m.candidates, grow_depth=grow_depth,
                  stale=m.stale)
     return RingPlan(frozenset(res["sticky"]), m.slots + res["extra_slots"], res["depth"], res["predicted_ms"],
@@ -417,8 +427,9 @@ def _grow_or_keep(m: Measurements, margin: int, max_seconds: float) -> RingPlan 
     headroom = m.limit_bytes - margin - m.peak_bytes  # type: ignore[operator]
     if headroom <= 0:
         return None
-    held = m.slots * m.slot_bytes + sum(m.nbytes[u] for u in m.sticky)
-    res = choose(m.trace, m.spans, m.copy_ms, m.nbytes, slot_bytes=m.slot_bytes, slots=m.slots, prefetch=m.depth,
+    cost = _costs(m)
+    held = m.slots * m.slot_bytes + sum(cost[u] for u in m.sticky)
+    res = choose(m.trace, m.spans, m.copy_ms, cost, slot_bytes=m.slot_bytes, slots=m.slots, prefetch=m.depth,
                  budget=held + headroom, forced=m.sticky, candidates=m.candidates, grow_depth=True, stale=m.stale,
                  time_limit_s=max_seconds)
     if res["start_ms"] - res["predicted_ms"] < 0.01 * res["start_ms"]:

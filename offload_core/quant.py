@@ -280,30 +280,66 @@ def fake_quantize(model: nn.Module, weight_dtype: str, fp8_scaling: str | None =
 class UnitWidener:
     """The raw buffers narrow-stored units are copied into, and the kernels that widen them.
 
-    Two raw buffers let the next unit's copy overlap the current one's widening (the engine orders
-    them with events). Views of the raw buffers are made once per (unit, buffer); views of a slot
-    are made per load, since a cached one would hold the slot's storage and keep it from reuse.
+    Two raw buffers (keys 0 and 1) let the next unit's copy overlap the current one's widening (the
+    engine orders them with events). A unit *kept narrow* (``keep``) has a raw buffer of its own
+    (key ``("kept", uid)``): its stored bytes are copied in once and widened into a ring slot at each
+    use, so the device holds it at its stored size (half, for fp8) and the link carries it no more.
+    Views of the raw buffers are made once per (unit, buffer); views of a slot are made per load,
+    since a cached one would hold the slot's storage and keep it from reuse.
     """
 
     def __init__(self, units: list[Unit], device: torch.device, fused: bool | None = None) -> None:
         nbytes = max((u.store_nbytes for u in units if u.converted), default=0)
-        self.raw = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2 if nbytes else 0)]
-        self._src: dict[tuple[int, int], tuple] = {}
+        self.device = device
+        self.raw: dict[Any, torch.Tensor] = {b: torch.empty(nbytes, dtype=torch.uint8, device=device)
+                                             for b in range(2 if nbytes else 0)}
+        self.kept: dict[int, bool] = {}  # uid kept narrow -> its raw buffer holds its stored bytes
+        self._src: dict[tuple, Any] = {}
         # fp8 row/block units on CUDA: one Triton kernel each (fused_widen.py); None: the torch path
         use = fused_widen.available(device) if fused is None else fused
         self.fused = fused_widen.FusedWidener(device) if use and nbytes else None
         self.fused_units = 0  # loads widened by the fused kernel (stats)
 
     def forget(self, uid: int) -> None:
-        """uid's stored bytes or scales changed: its cached views and scales are rebuilt on next use."""
+        """uid's stored bytes or scales changed: its cached views and scales are rebuilt on next use
+        (and a unit kept narrow is copied into its raw buffer again)."""
         for key in [k for k in self._src if k[0] == uid]:
             del self._src[key]
         if self.fused is not None:
             self.fused.forget(uid)
+        if uid in self.kept:
+            self.kept[uid] = False
+
+    # ------------------------------------------------------------------ units kept narrow
+    def keep(self, u: Unit) -> None:
+        """Give ``u`` (stored narrower) a raw buffer of its own; its next load fills it."""
+        if u.uid in self.kept:
+            return
+        with torch.inference_mode(False):
+            self.raw[("kept", u.uid)] = torch.empty(max(u.store_nbytes, 1), dtype=torch.uint8, device=self.device)
+        self.kept[u.uid] = False
+
+    def unkeep(self, uid: int) -> None:
+        """Free uid's own raw buffer (once the copies queued against it are done: the caller syncs)."""
+        if self.kept.pop(uid, None) is None:
+            return
+        raw = self.raw.pop(("kept", uid))
+        for key in [k for k in self._src if k[0] == uid and k[1] == ("kept", uid)]:
+            del self._src[key]
+        if self.fused is not None:
+            self.fused.drop_raw(raw)
+
+    def key(self, uid: int) -> Any:
+        """The raw buffer a load of uid copies into: its own when kept narrow, else None (the pair's turn)."""
+        return ("kept", uid) if uid in self.kept else None
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.raw[("kept", uid)].numel() for uid in self.kept)
 
     @property
     def staging_bytes(self) -> int:
-        return sum(b.numel() for b in self.raw)
+        return sum(self.raw[b].numel() for b in (0, 1) if b in self.raw)
 
     def widen(self, u: Unit, b: int, buf: torch.Tensor) -> None:
         """Fill the slot buffer ``buf`` from raw buffer ``b``: a few kernels per unit, not two per tensor."""
@@ -364,7 +400,7 @@ class UnitWidener:
     def _grouped(self, u: Unit, b: int) -> list[tuple[int, int, torch.Tensor]]:
         """(tensor index, its place among the widened tensors, its row/block scales in raw buffer b):
         the scales came with the unit's bytes."""
-        key = (u.uid, -1 - b)
+        key = (u.uid, b, "scales")
         got = self._src.get(key)
         if got is None:
             raw, conv = self.raw[b], (u.widen_plan[5] if u.widen_plan is not None else [])

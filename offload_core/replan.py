@@ -44,7 +44,7 @@ class Replanner:
         cfg = e.config
         self.depth0 = e.schedule.depth
         self.slots0 = len(e.ring.slots)
-        self.sticky0 = frozenset(e.ring.sticky)  # units kept from the setup on: release() keeps them
+        self.sticky0 = e.kept_units()  # units kept from the setup on: release() keeps them
         self.budget = cfg.vram_budget
         # a device with a memory limit to grow into (a card; None on the CPU)
         self.grow = (cfg.vram_budget is None and cfg.prefetch is None and e.timing is not None
@@ -82,11 +82,12 @@ class Replanner:
         return planner.Measurements(
             trace=trace, spans=tuple(e.timing.last_ms.get(("span", ("pos", i)), 0.0) for i in range(len(trace))),
             copy_ms={u.uid: u.store_nbytes / per_ms for u in e.streamed}, nbytes={u.uid: u.nbytes for u in e.streamed},
-            slot_bytes=ring.slot_bytes, slots=len(ring.slots), depth=e.schedule.depth, sticky=frozenset(ring.sticky),
+            keep_bytes={u.uid: e.keep_cost(u.uid) for u in e.streamed},
+            slot_bytes=ring.slot_bytes, slots=len(ring.slots), depth=e.schedule.depth, sticky=e.kept_units(),
             candidates=frozenset(u.uid for u in e.streamed if not u.trainable),
             forced=frozenset(uid for uid in ring.sticky if e.units[uid].nbytes > ring.slot_bytes),
             stale=frozenset(u.uid for u in e.streamed if u.trainable), fixed_bytes=fixed,
-            engine_bytes=fixed + ring.capacity_bytes + ring.sticky_bytes,
+            engine_bytes=fixed + ring.capacity_bytes + ring.sticky_bytes + e.widener.kept_bytes,
             peak_bytes=self.peak(), limit_bytes=device.limit_bytes(e.device))
 
     def sample(self) -> None:
@@ -120,18 +121,17 @@ class Replanner:
         """Make ``plan`` the one in force: sticky units, ring slots, prefetch depth."""
         e = self.e
         e.synchronize()  # no copy may still be landing in a buffer the new plan frees
-        for uid in list(e.ring.sticky):
-            if uid not in plan.sticky:
-                e.ring.drop_sticky(uid)
+        for uid in e.kept_units() - plan.sticky:
+            e.unkeep_unit(uid)
         for uid in sorted(plan.sticky):
-            if uid not in e.ring.sticky:
-                e.ring.add_sticky(uid, e.units[uid].nbytes)
+            e.keep_unit(uid)
         e.ring.resize(plan.slots, keep=e.bound_uids())
         e.schedule.depth = plan.depth
         moving = [u for u in e.streamed if u.uid not in e.ring.sticky]
         e.prediction.update(
             plan.info(), sticky_units=len(plan.sticky), streamed_units=len(moving),
-            streamed_bytes=sum(u.nbytes for u in moving), sticky_bytes=sum(e.units[u].nbytes for u in plan.sticky),
+            streamed_bytes=sum(u.nbytes for u in moving), sticky_bytes=sum(e.keep_cost(u) for u in plan.sticky),
+            kept_narrow_units=len(e.widener.kept),
             extra_slots=len(e.ring.slots) - self.slots0, depth=plan.depth)
         e.refill()  # what the new plan no longer keeps: fetch the first units now
 
@@ -143,7 +143,7 @@ class Replanner:
         call is running). A decision still being made ends with the plan in force."""
         e = self.e
         extra = len(e.ring.slots) - self.slots0
-        kept = frozenset(e.ring.sticky) - self.sticky0  # units the growth kept on the device (inference)
+        kept = e.kept_units() - self.sticky0  # units the growth kept on the device (inference)
         if extra <= 0 and not kept or not self.grow or e.in_call():
             return 0
         if self.active:
@@ -154,12 +154,12 @@ class Replanner:
         e.synchronize()  # no copy may still be landing in a slot that is freed
         e.schedule.depth = self.depth0
         for uid in kept:
-            e.ring.drop_sticky(uid)
+            e.unkeep_unit(uid)
         e.ring.resize(self.slots0, keep=set(e.schedule.upcoming(self.depth0 + 1)) | e.bound_uids())
         self.released += 1
         e.prediction["released"] = self.released
         return ((self.restore[0] - len(e.ring.slots)) * e.ring.slot_bytes
-                + sum(e.units[uid].nbytes for uid in kept))
+                + sum(e.keep_cost(uid) for uid in kept))
 
     def at_cycle_start(self) -> None:
         e, k = self.e, self.e.schedule.cycles
@@ -167,7 +167,7 @@ class Replanner:
             slots, depth, kept = self.restore
             self.restore = None
             for uid in sorted(kept):
-                e.ring.add_sticky(uid, e.units[uid].nbytes)  # loaded again at its first use
+                e.keep_unit(uid)  # loaded again at its first use
             e.ring.resize(slots)
             e.schedule.depth = depth  # the call's first prefetch (_prefetch_first) fills them
         if not self.active:
@@ -274,7 +274,7 @@ class Replanner:
         slots = len(e.ring.slots) - 1
         p = e.prediction
         self.apply(planner.RingPlan(
-            frozenset(e.ring.sticky), slots, max(self.before.depth, slots - 1), p.get("planned_step_ms", 0.0),
+            e.kept_units(), slots, max(self.before.depth, slots - 1), p.get("planned_step_ms", 0.0),
             p.get("unplanned_step_ms", 0.0), f"free memory (one slot fewer: the allocator freed its cache {retried} times)",
             p.get("measured_other_bytes", 0), p.get("planned_device_bytes", 0) - e.ring.slot_bytes))
 

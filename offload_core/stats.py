@@ -61,6 +61,7 @@ class Counters:
     lockstep_pad_nodes: int = 0  # sequence numbers skipped to order the layer-major backward (lockstep.py)
     parked_tensors: int = 0  # park_saved_tensors: saved activations copied to host memory (parking.py)
     parked_bytes: int = 0
+    kept_widens: int = 0  # loads of units kept narrow on the device: widened, not copied (widener.keep)
 
     UNREPORTED = ("timed_h2d_bytes",)  # feeds the copy rate (h2d_gbps) only
 
@@ -88,8 +89,9 @@ class EngineStats:
     weight_bytes: int
     streamed_bytes: int
     resident_bytes: int
-    sticky_bytes: int
+    sticky_bytes: int  # device bytes of the units kept there (widened, or as stored where kept narrow)
     sticky_units: int
+    kept_narrow_units: int  # of them, kept as their stored (fp8) bytes, widened at each use
     slot_count: int
     slot_bytes: int
     slot_grows: int
@@ -113,6 +115,7 @@ class EngineStats:
     lockstep_pad_nodes: int
     parked_tensors: int
     parked_bytes: int
+    kept_widens: int
     steps: int
     planning: bool
     trace_length: int

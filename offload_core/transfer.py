@@ -74,7 +74,7 @@ class Transfer:
         self.timed = timing is not None  # the engine turns it off for the cycles it does not time
         self.counters = counters
         self.widener = widener
-        self._raw_free: list[Any] = [None, None]
+        self._raw_free: dict[Any, Any] = {}  # raw buffer key -> the event after its last widening
         self._raw_turn = 0
         self._writeback: dict[int, Any] = {}  # uid -> event: its buffers are on their way to the host
         self.h2d_stream = self.d2h_stream = self.convert_stream = None
@@ -159,9 +159,8 @@ class Transfer:
         if wb is not None:
             h2d.wait_event(wb)
         if converted:
-            b = self._raw_turn
-            self._raw_turn ^= 1
-            if self._raw_free[b] is not None:
+            b = self._raw_key(u)
+            if self._raw_free.get(b) is not None:
                 h2d.wait_event(self._raw_free[b])
             dst = self.widener.raw[b][: u.store_nbytes]
         else:
@@ -199,9 +198,8 @@ class Transfer:
         wb = self._writeback.pop(u.uid, None)
         b, raw_free = 0, None
         if converted:
-            b = self._raw_turn
-            self._raw_turn ^= 1
-            raw_free = self._raw_free[b]
+            b = self._raw_key(u)
+            raw_free = self._raw_free.get(b)
             dst = self.widener.raw[b][: u.store_nbytes]
         else:
             dst = slot.buf[: u.nbytes]
@@ -268,7 +266,8 @@ class Transfer:
         else:
             a = self.mark() if self.timed else None
         converted = u.converted
-        dst = self.widener.raw[0][: u.store_nbytes] if converted else slot.buf[: u.nbytes]
+        b = self._raw_key(u) if converted else 0
+        dst = self.widener.raw[b][: u.store_nbytes] if converted else slot.buf[: u.nbytes]
         self._h2d_copy(dst, src, stream)
         if clock is not None:
             clock.submitted()
@@ -277,8 +276,53 @@ class Transfer:
         if stream is not None:
             stream.synchronize()
         if converted:
-            self.widener.widen(u, 0, slot.buf)
+            self.widener.widen(u, b, slot.buf)
         slot.ready = None
+
+    def _raw_key(self, u: Unit) -> Any:
+        """The raw buffer u's stored bytes are copied into: its own (kept narrow, filled by this copy),
+        else the pair's next turn."""
+        key = self.widener.key(u.uid)
+        if key is not None:
+            self.widener.kept[u.uid] = True  # the copy is queued: later loads widen from it alone
+            return key
+        b = self._raw_turn
+        self._raw_turn ^= 1
+        return b
+
+    # ------------------------------------------------------------------ units kept narrow
+    def widen_kept(self, u: Unit, slot: Slot) -> None:
+        """Load a unit kept narrow whose raw buffer holds its bytes: no copy, only its widening into
+        ``slot`` (on the convert stream, after the slot's last users; through a bounce store's issuer,
+        so it lands after the loads queued before it)."""
+        key = ("kept", u.uid)
+        widener = self.widener
+        if not self.use_streams:
+            widener.widen(u, key, slot.buf)
+            slot.ready = None
+            return
+        compute = self.compute_stream()
+        freed = torch.cuda.Event()
+        freed.record(compute)
+        done, slot.done = slot.done, []
+        conv = self.convert_stream
+
+        def issue() -> Any:
+            conv.wait_event(freed)
+            for ev in done:
+                conv.wait_event(ev)
+            with torch.cuda.stream(conv):  # (on the issuer thread too: not _On, which sets the caller's stream back)
+                widener.widen(u, key, slot.buf)
+                ready = torch.cuda.Event()
+                ready.record(conv)
+            return ready
+
+        if self.bounce is None:
+            slot.ready = self._raw_free[key] = issue()
+            return
+        pending = self.bounce.pending()
+        self.bounce.post(lambda: pending.set(issue()))
+        slot.ready = self._raw_free[key] = pending
 
     # ------------------------------------------------------------------ D2H
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
@@ -313,6 +357,8 @@ class Transfer:
             done = self.d2h(master[ts.store_offset: ts.store_offset + ts.nbytes], view.reshape(-1).view(torch.uint8))
         if done is not None:
             self._writeback[u.uid] = done
+            if u.uid in self.widener.kept:
+                self.widener.kept[u.uid] = False  # its own raw buffer is stale: the next load copies again
             if slot is not None:
                 slot.done.append(done)  # nothing overwrites the slot before its bytes are out
 

@@ -16,6 +16,7 @@ NOT_IN_SPEC = {
     "record_timings": "bench-only switch",
     "timing_every": "bench-only switch (how often a settled engine times a step)",
     "use_streams": "bench-only serial baseline",
+    "keep_narrow": "bench-only A/B: kept fp8 units held widened, as before (offload_core/engine.py keep_unit)",
     "gradient_accumulation_steps": "set by train.gradient_accumulation_steps",
     "accumulation_order": "set by train.accumulation_order",
     "weights": "set by the runners: model.path's transformer is read into the engine",

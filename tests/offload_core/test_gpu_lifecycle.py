@@ -331,21 +331,27 @@ def test_growth_reads_the_activations_when_the_loop_resets_the_peak_every_step()
         mgr.remove()
 
 
-def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae() -> None:
+@pytest.mark.parametrize("weight_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
+def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae(weight_dtype: str | None) -> None:
     # Copy-bound inference (403 MB blocks, 256 tokens) under a 4 GiB cap: the ring grows, leaving half
     # the room above the measured peak free; release_growth() then hands the grown slots to torch's
     # allocator, so what a pipeline runs next (a VAE decode) can take them; the next call takes them back.
+    # fp8: units the growth keeps hold their fp8 bytes (kept narrow), widened at each use.
+    from offload_core.quant import fake_quantize
+
     d, heads, depth, tokens = 4096, 32, 8, 256
     torch.manual_seed(0)
     ref = DiT(d, heads, depth, ckpt=False).to(torch.bfloat16).eval().requires_grad_(False)
     x = torch.randn(1, tokens, d, dtype=torch.bfloat16)
     with torch.no_grad():
-        want = ref.to(CUDA)(x.to(CUDA)).cpu()
+        rounded = fake_quantize(copy.deepcopy(ref), weight_dtype) if weight_dtype else ref
+        want = rounded.to(CUDA)(x.to(CUDA)).cpu()
+        del rounded
     ref.cpu()
     _fresh()
     cap = 4 << 30
     with _capped(cap) as limit, torch.no_grad():
-        h = enable_offload(ref, target_device=CUDA, offload_granularity="block")
+        h = enable_offload(ref, target_device=CUDA, offload_granularity="block", weight_dtype=weight_dtype)
         outs = [ref(x.to(CUDA)).cpu() for _ in range(8)]
         st = h.stats()
         plan = st["plan"]
@@ -353,7 +359,10 @@ def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae() ->
         before = torch.cuda.memory_allocated()
         freed = h.release_growth()
         after = torch.cuda.memory_allocated()
-        _report("inference_growth", {"cap": cap, "slots": grown, "depth": st["prefetch_depth"], "freed": freed,
+        _report(f"inference_growth_{weight_dtype or 'bf16'}", {
+                                     "cap": cap, "slots": grown, "depth": st["prefetch_depth"], "freed": freed,
+                                     "kept": st["sticky_units"], "kept_narrow": st["kept_narrow_units"],
+                                     "h2d_per_call": (st["h2d_bytes"] / st["steps"]), "stall_ms": st["stall_ms"],
                                      "allocated_before": before, "allocated_after": after,
                                      "plan": {k: v for k, v in plan.items() if isinstance(v, (int, float, str))}})
         kept = st["sticky_units"]  # the room may keep units on the device instead of (or beside) slots
@@ -366,4 +375,53 @@ def test_inference_grows_into_half_the_room_and_release_gives_it_to_the_vae() ->
         del vae
         assert torch.equal(ref(x.to(CUDA)).cpu(), want)
         assert (h.stats()["slot_count"], h.stats()["sticky_units"]) == (grown, kept), "the next call takes them again"
+        if weight_dtype and kept:
+            assert st["kept_narrow_units"] == kept and st["kept_widens"] > 0, st
+        h.remove()
+
+
+@pytest.mark.parametrize("store", ["arena", "bounce"])
+def test_fp8_units_kept_narrow_on_the_device_stay_bitwise(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Units kept as their fp8 bytes on the device (the growth's choice stood in for: half the units kept,
+    one slot more), widened into ring slots on the convert stream at each use, through the arena and
+    through a bounce store's issuer thread: outputs bitwise the fake-quantized resident model's over
+    calls that fill, reuse, release and refill the kept buffers; the link carries the kept units once."""
+    from offload_core import bounce, planner
+    from offload_core.quant import fake_quantize
+    from offload_core.replan import Replanner
+
+    monkeypatch.setattr(bounce, "DEFAULT_CHUNK", 64 << 10)
+    monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
+
+    def half_kept(m, margin, max_seconds):
+        keep = frozenset(sorted(m.candidates)[::2])
+        return planner.RingPlan(keep, m.slots + 1, m.slots, 1.0, 2.0, "free memory (slots and kept units)", 0,
+                                m.engine_bytes + m.slot_bytes + sum(planner._costs(m)[u] for u in keep))
+
+    monkeypatch.setattr(planner, "_grow_or_keep", half_kept)
+    calls = []  # a stall the growth cuts, so the engine keeps it (the choice is not what is tested here)
+    monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: calls.append(c) or 1000.0 / len(calls))
+    torch.manual_seed(0)
+    ref = DiT(512, 8, 8, ckpt=False).to(torch.bfloat16).eval().requires_grad_(False)
+    xs = [torch.randn(1, 64, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    with torch.no_grad():
+        rounded = fake_quantize(copy.deepcopy(ref), "float8_e4m3fn").to(CUDA)
+        want = [rounded(x.to(CUDA)).cpu() for x in xs]
+        del rounded
+    _fresh()
+    opts = {"pinned_limit": "256KiB"} if store == "bounce" else {}
+    with _capped(2 << 30), torch.no_grad():
+        h = enable_offload(ref, target_device=CUDA, offload_granularity="block", weight_dtype="float8_e4m3fn", **opts)
+        got = []
+        for i, x in enumerate(xs):
+            if i == 8:
+                assert h.release_growth() > 0
+            got.append(ref(x.to(CUDA)).cpu())
+        st = h.stats()
+        if store == "bounce":
+            assert st["host_store"] == "bounce"
+        assert st["kept_narrow_units"] == st["sticky_units"] > 0, st["plan"]
+        assert st["kept_widens"] > 0
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"call {i}: outputs differ from the fake-quantized resident model"
         h.remove()

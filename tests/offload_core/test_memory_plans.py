@@ -225,15 +225,21 @@ def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, mon
     mgr.remove()
 
 
-def _inference_on_a_card(card: dict) -> tuple:
+def _inference_on_a_card(card: dict, **options) -> tuple:
     """The frozen toy under the engine on a 4 GiB emulated card (200 MiB peak), one call run and checked
-    bitwise against resident; ``rerun()`` runs and checks another."""
+    bitwise against resident (its weights rounded through ``weight_dtype`` where one is given);
+    ``rerun()`` runs and checks another."""
+    from offload_core.quant import fake_quantize
+
     card["limit"], card["peak"] = 4096 * MiB, 200 * MiB
     case = CASES["toy"]
     model = case.build("frozen")
     seeds = tuple(range(8))
-    want = infer(case, copy.deepcopy(model), seeds=seeds)
-    h = enable_offload(model, target_device="cpu")
+    ref = copy.deepcopy(model)
+    if options.get("weight_dtype"):
+        fake_quantize(ref, options["weight_dtype"])
+    want = infer(case, ref, seeds=seeds)
+    h = enable_offload(model, target_device="cpu", **options)
 
     def rerun() -> None:
         assert_bitwise(want, infer(case, model, seeds=seeds), "inference")
@@ -303,6 +309,62 @@ def test_units_the_inference_growth_kept_are_given_back_and_kept_again(card: dic
     assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (0, 3)
     rerun()
     assert (h.stats()["sticky_units"], h.stats()["slot_count"]) == (2, 4), "the next call keeps them again"
+    h.remove()
+
+
+@pytest.mark.parametrize("narrow", [True, False])
+def test_fp8_units_the_inference_growth_keeps_hold_their_stored_bytes(card: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                     narrow: bool) -> None:
+    """fp8-stored units the growth keeps on the device keep their fp8 bytes there (half a widened
+    unit) and are widened into a ring slot at each use: from the next call on the link carries them no
+    more, outputs stay bitwise the fake-quantized resident model's, and release_growth() frees their
+    buffers. ``keep_narrow=False`` keeps them widened (the A/B): twice the device bytes, same copies."""
+    from offload_core import planner
+    from offload_core.replan import Replanner
+
+    calls = []
+    monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: calls.append(c) or 1000.0 / len(calls))
+    costs = {}
+
+    def two_kept(m, margin, max_seconds):
+        keep = frozenset(sorted(m.candidates)[:2])
+        costs.update({u: planner._costs(m)[u] for u in keep})
+        return planner.RingPlan(keep, m.slots, m.depth, 1.0, 2.0, "free memory (slots and kept units)", 0,
+                                m.engine_bytes + sum(costs.values()))
+
+    monkeypatch.setattr(planner, "_grow_or_keep", two_kept)
+    h, rerun = _inference_on_a_card(card, weight_dtype="float8_e4m3fn", keep_narrow=narrow)
+    engine = h.engine
+    kept = sorted(engine.kept_units())
+    assert len(kept) == 2, h.stats()["plan"]
+    units = {u: engine.units[u] for u in kept}
+    assert all(u.converted and u.store_nbytes < u.nbytes for u in units.values())
+    want_cost = {u: (units[u].store_nbytes if narrow else units[u].nbytes) for u in kept}
+    assert costs == want_cost, "the planner prices a kept fp8 unit at its stored bytes"
+    st = h.stats()
+    assert (st["sticky_units"], st["kept_narrow_units"]) == (2, 2 if narrow else 0)
+    assert st["sticky_bytes"] == sum(want_cost.values())
+    for _ in range(2):  # the first call after the plan fills the kept buffers; the next copies none of them
+        rerun()
+    h2d, widens = st["h2d_bytes"], st["kept_widens"]
+    before = h.stats()
+    rerun()
+    after = h.stats()
+    cycles = after["steps"] - before["steps"]  # one per seed
+    per_call = (after["h2d_bytes"] - before["h2d_bytes"]) / cycles
+    streamed = sum(u.store_nbytes for u in engine.streamed)
+    assert per_call == streamed - sum(units[u].store_nbytes for u in kept), (per_call, streamed)
+    if narrow:
+        assert after["kept_widens"] - before["kept_widens"] >= 2 * cycles, "each kept unit is widened at its use"
+        assert after["staging_bytes"] == before["staging_bytes"], "a kept unit's buffer is not staging"
+    else:
+        assert after["kept_widens"] == widens == 0
+    assert h2d < after["h2d_bytes"]
+    assert h.release_growth() == sum(want_cost.values())
+    assert (h.stats()["sticky_units"], h.stats()["kept_narrow_units"], engine.widener.kept_bytes) == (0, 0, 0)
+    rerun()  # the kept units stream from the host again for this call, are kept again after it
+    assert sorted(engine.kept_units()) == kept
+    rerun()
     h.remove()
 
 
