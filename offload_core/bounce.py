@@ -676,4 +676,4 @@ class BounceStore:
 
     def pace(self, pacer: Any) -> None:
         """Hold the copy stream after each chunk's copy as an emulated slower link would (link.py)."""
-        self.ring.hold = pacer.hold
+        self.ring.hold = pacer.chunk_hold(self.ring.chunk)

@@ -8,8 +8,10 @@ have needed on top of the real copy::
 
     hold = nbytes / asked_rate - nbytes / real_rate
 
-``real_rate`` is this device's pinned H2D rate (the fastest of eight 64 MiB copies, measured once
-per process), and the spin's clock rate (cycles per microsecond) is calibrated once too, after a
+``real_rate`` is this device's pinned H2D rate at the copies' size (the fastest of eight 64 MiB
+copies, measured once per process; for a bounce ring's chunks, copies of a chunk's size: a 16 MiB
+copy runs slower than a 64 MiB one, and reckoned from the 64 MiB rate the ring's link ran at 23.2
+where 25 GB/s was asked, on the H200), and the spin's clock rate (cycles per microsecond) is calibrated once too, after a
 warm-up spin has raised the clock. Both are the fastest readings, so a copy that runs slower than
 that, or a clock that drops under load, makes the link slower than asked, never faster: the
 achieved rate is in ``stats()["h2d_gbps"]`` beside the asked one.
@@ -30,7 +32,7 @@ link: copies are counted but not slowed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +41,7 @@ from .hostmem import HostBuffer
 __all__ = ["LinkPacer", "spin_cycles_per_us", "pinned_h2d_gbps"]
 
 _SPIN: dict[int, float] = {}  # device index -> spin cycles per microsecond
-_REAL: dict[int, float] = {}  # device index -> pinned H2D GB/s
+_REAL: dict[tuple[int, int], float] = {}  # (device index, copy bytes) -> pinned H2D GB/s
 _PROBE_BYTES = 64 << 20
 
 
@@ -67,21 +69,21 @@ def spin_cycles_per_us(device: torch.device) -> float:
     return rate
 
 
-def pinned_h2d_gbps(device: torch.device) -> float:
-    """This device's pinned H2D copy rate in GB/s: the fastest of eight 64 MiB copies after 256 MiB of
-    warm-up (measured once): a link that idles at a lower PCIe speed ramps up under the warm-up, and a
-    rate read too low would make every paced copy run faster than asked."""
+def pinned_h2d_gbps(device: torch.device, nbytes: int = _PROBE_BYTES) -> float:
+    """This device's pinned H2D copy rate in GB/s for copies of ``nbytes``: the fastest of eight after
+    at least 256 MiB of warm-up (measured once per size): a link that idles at a lower PCIe speed ramps
+    up under the warm-up, and a rate read too low would make every paced copy run faster than asked."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    rate = _REAL.get(index)
+    rate = _REAL.get((index, nbytes))
     if rate is None:
         with torch.cuda.device(index):
-            host = HostBuffer(_PROBE_BYTES, pin=True)  # registered as the arena's buffers are
+            host = HostBuffer(nbytes, pin=True)  # registered as the arena's buffers are
             src = host.tensor
-            dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
             s = torch.cuda.Stream()
             best = 0.0
             with torch.cuda.stream(s):
-                for _ in range(4):  # warm-up
+                for _ in range(max(4, min(64, (256 << 20) // max(nbytes, 1)))):  # warm-up
                     dst.copy_(src, non_blocking=True)
                 for _ in range(8):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,10 +91,10 @@ def pinned_h2d_gbps(device: torch.device) -> float:
                     dst.copy_(src, non_blocking=True)
                     b.record(s)
                     b.synchronize()
-                    best = max(best, _PROBE_BYTES / 1e9 / max(a.elapsed_time(b) / 1e3, 1e-9))
+                    best = max(best, nbytes / 1e9 / max(a.elapsed_time(b) / 1e3, 1e-9))
             del src, dst
             host.close()
-        rate = _REAL[index] = best
+        rate = _REAL[(index, nbytes)] = best
     return rate
 
 
@@ -105,7 +107,9 @@ class LinkPacer:
 
     def __init__(self, gbps: float, device: torch.device) -> None:
         self.gbps = float(gbps)
+        self.device = device
         self.is_cuda = device.type == "cuda"
+        self.chunk_real_gbps: float | None = None  # the real rate of a bounce ring's chunk copies (chunk_hold)
         self.paced_bytes = 0
         self.paced_copies = 0
         self.real_gbps: float | None = None
@@ -114,16 +118,32 @@ class LinkPacer:
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
             self.cycles_per_us = spin_cycles_per_us(device)
-            extra_us_per_byte = max(0.0, 1.0 / self.gbps - 1.0 / self.real_gbps) / 1e3  # (s/GB) / 1e9 B * 1e6 us
-            self._cycles_per_byte = extra_us_per_byte * self.cycles_per_us
+            self._cycles_per_byte = self.cycles_per_byte(self.real_gbps)
+
+    def cycles_per_byte(self, real_gbps: float) -> float:
+        """Spin cycles per byte copied at ``real_gbps`` for the copy to take as long as on the asked link."""
+        extra_us_per_byte = max(0.0, 1.0 / self.gbps - 1.0 / real_gbps) / 1e3  # (s/GB) / 1e9 B * 1e6 us
+        return extra_us_per_byte * (self.cycles_per_us or 0.0)
 
     def hold(self, nbytes: int) -> None:
         """After a copy of ``nbytes`` queued on the current stream: spin there for the slower link's extra time."""
+        self._spin(nbytes, self._cycles_per_byte)
+
+    def _spin(self, nbytes: int, cycles_per_byte: float) -> None:
         self.paced_bytes += nbytes
         self.paced_copies += 1
-        cycles = int(nbytes * self._cycles_per_byte)
+        cycles = int(nbytes * cycles_per_byte)
         if cycles > 0:
             torch.cuda._sleep(cycles)
+
+    def chunk_hold(self, chunk_bytes: int) -> Callable[[int], None]:
+        """``hold`` for copies of at most ``chunk_bytes`` (a bounce ring's): their extra time reckoned
+        from the real rate of copies that size, so the ring's link is the asked one too."""
+        if not self.is_cuda or chunk_bytes >= _PROBE_BYTES:
+            return self.hold
+        self.chunk_real_gbps = pinned_h2d_gbps(self.device, chunk_bytes)
+        per_byte = self.cycles_per_byte(self.chunk_real_gbps)
+        return lambda nbytes: self._spin(nbytes, per_byte)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the current stream (asynchronous on a card), then the hold."""
@@ -134,6 +154,7 @@ class LinkPacer:
         return {
             "link_gbps": self.gbps,
             "link_real_gbps": self.real_gbps,
+            "link_chunk_real_gbps": self.chunk_real_gbps,
             "link_paced": self._cycles_per_byte > 0,  # False: the real link is no faster than asked (or the CPU)
             "link_paced_bytes": self.paced_bytes,
             "link_paced_copies": self.paced_copies,

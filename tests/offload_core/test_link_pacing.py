@@ -23,7 +23,7 @@ from offload_core.shard import shard_checkpoint
 from offload_core_disk_helpers import flux_inputs, tiny_flux
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
 
-LINK_KEYS = {"link_gbps", "link_real_gbps", "link_paced", "link_paced_bytes", "link_paced_copies"}
+LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_paced", "link_paced_bytes", "link_paced_copies"}
 
 
 @pytest.mark.parametrize("bad", [0, -13, math.nan, math.inf, "13", True, [13]])
@@ -134,3 +134,29 @@ def test_without_the_option_no_pacing_code_is_bound(monkeypatch: pytest.MonkeyPa
         else:
             assert t._h2d_copy.__func__ is Transfer._h2d_copy
         h.remove()
+
+
+def test_a_bounce_rings_chunks_are_paced_from_the_real_rate_of_copies_their_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16 MiB copy runs slower than the 64 MiB probe: reckoned from the probe's rate, the spin after
+    each chunk made the ring's link slower than asked (23.2 of 25 GB/s on the H200). The chunks' holds
+    come from the rate measured at their size; a unit's copy keeps the probe's."""
+    from offload_core import link
+
+    rates = {64 << 20: 55.0, 16 << 20: 44.0}
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: rates[nbytes])
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    spins: list[int] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", spins.append)
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    chunk = pacer.chunk_hold(16 << 20)
+    n = 16 << 20
+    chunk(n)
+    pacer.hold(n)
+
+    def us(real: float) -> float:  # what the spin must add to a copy at `real` GB/s for it to last n / 25 GB/s
+        return (n / 25e3) - (n / (real * 1e3))
+
+    assert spins[0] == int(us(44.0) * 1000.0) and spins[1] == int(us(55.0) * 1000.0)
+    assert pacer.stats()["link_chunk_real_gbps"] == 44.0 and pacer.stats()["link_paced_copies"] == 2
+    other = link.LinkPacer(25, torch.device("cuda"))
+    assert other.chunk_hold(64 << 20) == other.hold, "chunks as big as the probe: the probe's rate"
