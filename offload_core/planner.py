@@ -16,7 +16,7 @@ the plan it gets back. Nothing here imports or touches the engine.
   simulated cycle most per byte. A budget that cannot hold the smallest ring raises.
 - no budget, on a card: :func:`plan_growth` deepens the ring into the memory the card has free for
   this process (a per-process memory fraction counts), keeping a margin, as long as the simulated
-  stall falls; the engine then keeps it only if the measured stall fell too.
+  stall falls; the engine then keeps it only if the measured stall did not rise (replan.py).
 
 A sticky unit is packed in the host store like any other and loaded once into a device buffer of
 its own, so the plan can change while the model runs.
@@ -301,7 +301,7 @@ class Measurements:
     # what keeping a unit on the device costs, where not its device bytes: a unit stored narrower (fp8)
     # is kept as its stored bytes and widened into a ring slot at each use (engine.keep_cost). The
     # simulation counts it as sticky (no copy; the slot it passes through and its widening, on a
-    # stream of its own, are not modelled): the engine keeps a growth only if the measured stall fell.
+    # stream of its own, are not modelled): the engine keeps a growth only if the measured stall did not rise.
     keep_bytes: dict[int, int] = field(default_factory=dict)
     peak_bytes: int | None = None   # peak allocated on the device during the measured cycles (None: unknown)
     limit_bytes: int | None = None  # what the device lets this process allocate (None: not a card)
