@@ -251,6 +251,16 @@ def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, mon
         return 0.0 if len(calls) == 1 else 1000.0 / len(calls)
 
     monkeypatch.setattr(Replanner, "cycle_stall", first_reads_none)
+    from offload_core import planner
+
+    plan_growth = planner.plan_growth
+
+    def nothing_to_gain_without_a_stall(m, **kw):
+        # the simulation of the CPU's measured times may or may not see a gain (under load it did, and
+        # the first decision grew): stand in for the one that sees none, as the card's unstalled cycle
+        return None if kw.get("measured_stall_ms") == 0.0 else plan_growth(m, **kw)
+
+    monkeypatch.setattr(planner, "plan_growth", nothing_to_gain_without_a_stall)
     case = CASES["toy"]
     ref = case.build("adapter")
     off = copy.deepcopy(ref)
