@@ -53,9 +53,20 @@ class MetricsWriter:
     def write(self, record: Mapping[str, Any]) -> None:
         if self.path is None:
             return
-        line = json.dumps(json_safe(record), allow_nan=False, separators=(",", ":"))
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        append_line(self.path, json.dumps(json_safe(record), allow_nan=False, separators=(",", ":")))
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append ``line`` and its newline with one write(2) on an O_APPEND descriptor (a short write
+    continues it), not through a buffered file that may split a long line. A reader tailing the file
+    while it grows must still take only lines that end in a newline (tui.feed, the tests)."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 def emit_event(run_dir: Path | None, type: str, **data: Any) -> None:
@@ -64,8 +75,7 @@ def emit_event(run_dir: Path | None, type: str, **data: Any) -> None:
     print(f"[offload-jobs] {type}: " + ", ".join(f"{k}={v}" for k, v in data.items()), flush=True)
     if run_dir is None:
         return
-    with open(Path(run_dir) / "events.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, allow_nan=False) + "\n")
+    append_line(Path(run_dir) / "events.jsonl", json.dumps(record, allow_nan=False))
 
 
 def quiet_libraries() -> None:

@@ -46,6 +46,16 @@ def strict_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line, parse_constant=no_constants) for line in path.read_text().splitlines() if line.strip()]
 
 
+def written_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a running job has finished writing: none while the file is absent, and not a last
+    line still without its newline (read while it was being appended)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 def run_dir(job: dict[str, Any]) -> Path:
     return Path(job["run_dir"])
 

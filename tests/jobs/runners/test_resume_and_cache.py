@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 
 import torch
-from runner_helpers import copy_dataset, events, log, run_dir, run_job, step_records, train_spec, wait_for
+from runner_helpers import (copy_dataset, events, log, run_dir, run_job, step_records, train_spec, wait_for,
+                            written_lines)
 from safetensors.torch import load_file
 
 
@@ -26,9 +27,7 @@ def test_kill9_then_retry_resumes_bitwise_and_skips_a_torn_checkpoint(client, ti
 
     # kill -9 the victim's whole process group once it is past two checkpoints
     rd = Path(client.get(victim["id"])["run_dir"])
-    wait_for(lambda: (rd / "metrics.jsonl").exists() and
-             any(json.loads(line).get("step", 0) >= 14 for line in (rd / "metrics.jsonl").read_text().splitlines()
-                 if line.strip()), timeout=180)
+    wait_for(lambda: any(row.get("step", 0) >= 14 for row in written_lines(rd / "metrics.jsonl")), timeout=180)
     pgid = client.get(victim["id"])["attempts"][-1]["pgid"]
     os.killpg(pgid, signal.SIGKILL)
     killed = client.wait(victim["id"], timeout=60)

@@ -192,3 +192,27 @@ def test_examples_validate() -> None:
         assert "Targets:" in text.split("kind:")[0], f"{name}: says which VRAM it targets"
         load_spec(repo / "examples" / name)
     assert os.path.exists(repo / "scripts" / "make_tiny_pipelines.py")
+
+
+def test_a_metrics_line_is_appended_by_one_write_and_whole_after_short_writes(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """metrics.jsonl is tailed while it grows (the dashboard, the tests): a line goes in with one write(2)
+    on an O_APPEND descriptor, continued where the kernel wrote less, never through a buffered file that
+    may split it (a test read a row cut after 105 characters)."""
+    from jobs.runners import telemetry
+
+    path = tmp_path / "metrics.jsonl"
+    calls: list[int] = []
+    write = os.write
+
+    def short(fd: int, data) -> int:  # the kernel may write less than asked: at most 4 KiB at a time here
+        calls.append(len(data))
+        return write(fd, bytes(data[:4096]))
+
+    row = {"step": 1, "loss": 0.5, "units": ["x" * 100] * 200}  # 20 KiB: past a buffered file's chunk
+    MetricsWriter(path).write(row)
+    monkeypatch.setattr(telemetry.os, "write", short)
+    MetricsWriter(path).write({**row, "step": 2})
+    lines = path.read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2] and json.loads(lines[1])["units"] == row["units"]
+    assert len(calls) == 6 and calls[0] > 20_000, "one write asked for the whole line, continued after each short one"
