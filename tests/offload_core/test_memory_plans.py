@@ -197,6 +197,18 @@ def test_growth_sees_the_last_units_backward_when_the_loop_resets_the_peak(card:
     assert st["slot_count"] == 3, "no slot grew into the memory the last unit's backward takes"
 
 
+def _adapter_trained_bitwise(steps: int) -> OffloadTrainingManager:
+    """The toy adapter trained ``steps`` steps under the engine (block units, the depth unpinned) and
+    resident, the two traces bitwise equal; returns the engine's manager."""
+    case = CASES["toy"]
+    ref = case.build("adapter")
+    off = copy.deepcopy(ref)
+    want = train(case, ref, make_optimizer(ref), steps=steps)
+    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
+    assert_traces_equal(want, train(case, off, make_optimizer(off), steps=steps))
+    return mgr
+
+
 @pytest.mark.parametrize("chosen_by,after,slots,final", [
     # the simulation's growth, the stall within one cycle's noise: kept
     ("free memory", 10.3, 4, "free memory"),
@@ -222,13 +234,7 @@ def test_a_growth_is_judged_by_its_measured_stall_within_one_cycles_noise(card: 
     monkeypatch.setattr(planner, "plan_growth", one_more_slot)
     # 10 ms of stall a cycle on the smallest ring (cycles 1-2, read at the decision), `after` once grown
     monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: 10.0 if c <= 2 else after)
-    case = CASES["toy"]
-    ref = case.build("adapter")
-    off = copy.deepcopy(ref)
-    want = train(case, ref, make_optimizer(ref), steps=8)
-    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
-    got = train(case, off, make_optimizer(off), steps=8)
-    assert_traces_equal(want, got)
+    mgr = _adapter_trained_bitwise(steps=8)
     st = mgr.stats()
     plan = st["plan"]
     assert plan["stall_after_growth_ms"] == after, plan
@@ -261,13 +267,7 @@ def test_growth_looks_again_when_its_first_cycle_showed_no_stall(card: dict, mon
         return None if kw.get("measured_stall_ms") == 0.0 else plan_growth(m, **kw)
 
     monkeypatch.setattr(planner, "plan_growth", nothing_to_gain_without_a_stall)
-    case = CASES["toy"]
-    ref = case.build("adapter")
-    off = copy.deepcopy(ref)
-    want = train(case, ref, make_optimizer(ref), steps=12)
-    mgr = OffloadTrainingManager(off, "cpu", offload_granularity="block")
-    got = train(case, off, make_optimizer(off), steps=12)
-    assert_traces_equal(want, got)
+    mgr = _adapter_trained_bitwise(steps=12)
     plan = mgr.stats()["plan"]
     assert plan.get("growth_retries") == 1, plan
     assert plan["chosen_by"].startswith("free memory"), plan
