@@ -16,7 +16,7 @@ from torch import nn
 
 from .workloads import Workload
 
-__all__ = ["NotApplicable", "Session", "Variant", "ours_variant", "resident_variant", "variants_for"]
+__all__ = ["NotApplicable", "Session", "Variant", "ours_variant", "registration_fails", "resident_variant", "variants_for"]
 
 
 class NotApplicable(Exception):
@@ -144,6 +144,54 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
     return Variant(name, setup, "ours", cfg)
 
 
+def registration_fails(variant: Variant) -> Variant:
+    """The variant on a host whose registration of the arena fails (issue 29's acceptance: the
+    bounce ring and a warning, never plain pageable copies): the arena's host buffer is registered
+    with CUDA before the engine tries, exactly as tests/offload_core/test_gpu_lifecycle.py does, so
+    the engine's own cudaHostRegister returns cudaErrorHostMemoryAlreadyRegistered. The range is
+    unregistered after the engine's teardown."""
+    setup = variant.setup
+
+    def failing(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        if device.type != "cuda":
+            raise NotApplicable("registration is CUDA's: nothing to fail on a CPU device")
+        import warnings
+
+        from offload_core import hostmem
+
+        cudart, real, taken = torch.cuda.cudart(), hostmem.host_buffer, []
+
+        def registered_first(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+            buf, raw = real(nbytes)
+            if not taken:  # the arena's buffer; the bounce ring's (allocated after it) pins as usual
+                if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+                    raise NotApplicable("could not register the arena's buffer ahead of the engine")
+                taken.append((buf, raw))
+            return buf, raw
+
+        hostmem.host_buffer = registered_first
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sess = setup(model, wl, device)
+        finally:
+            hostmem.host_buffer = real
+        said = [str(w.message) for w in caught if "bounce ring" in str(w.message)]
+        inner = sess.teardown
+
+        def teardown() -> None:
+            inner()
+            for buf, _ in taken:
+                cudart.cudaHostUnregister(buf.data_ptr())
+            taken.clear()
+
+        sess.teardown = teardown
+        sess.note = (sess.note + "; " if sess.note else "") + (said[0][:120] if said else "NO bounce-ring warning")
+        return sess
+
+    return Variant(variant.name, failing, variant.family, dict(variant.config, registration="made to fail"))
+
+
 # ---- peers ------------------------------------------------------------------------------------
 
 
@@ -235,6 +283,8 @@ def variants_for(wl: Workload) -> list[Variant]:
         # a box that pins at most 256 MiB (WSL2, Docker Desktop): pageable weights through the bounce ring
         out.append(ours_variant("ours-bounce", pinned_limit="256MiB"))
         out.append(ours_variant("ours-bounce-t8", pinned_limit="256MiB", num_copy_threads=8))
+        # a host whose registration fails (every other setting at the default): the ring, never pageable copies
+        out.append(registration_fails(ours_variant("ours-regfail")))
     if wl.optimizer_offload:
         # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))
