@@ -41,3 +41,22 @@ def test_derive_twice_keeps_the_probe() -> None:
     rows, metas, ceiling = _case(49.3, 54.7)
     derive(rows, metas, ceiling)  # the bench derives again after every workload
     assert ceiling["probe_h2d_gbps"] == 49.3 and ceiling["h2d_gbps"] == 49.3 and ceiling["floor_h2d_gbps"] == 54.7
+
+
+def test_the_failed_registration_row_is_offered_with_the_bounce_rows_and_needs_cuda() -> None:
+    # issue 29: "a registration made to fail on purpose ... a step time within 1.15x of the arena's";
+    # the row registers the arena's buffer ahead of the engine, which only CUDA can do
+    import torch
+    from torch import nn
+
+    from bench.peers import NotApplicable, variants_for
+    from bench.workloads import get_workload
+
+    for name in ("p1", "flux-dev-lora-8g", "flux-dev-infer-8g"):
+        wl = get_workload(name, tiny=True)
+        names = [v.name for v in variants_for(wl)]
+        assert names.index("ours-regfail") == names.index("ours-bounce-t8") + 1, names
+    row = next(v for v in variants_for(wl) if v.name == "ours-regfail")
+    assert row.family == "ours" and row.config == {"registration": "made to fail"}
+    with pytest.raises(NotApplicable, match="CUDA"):
+        row.setup(nn.Linear(2, 2), wl, torch.device("cpu"))
