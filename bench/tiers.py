@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from .floor import derive
-from .peers import NotApplicable, Variant, ours_variant
+from .peers import NotApplicable, Variant, ours_variant, registration_fails
 
 __all__ = ["TIER_TARGET", "at_tier", "derive_tiers", "parse_link_gbps", "tier_label", "tier_row"]
 
@@ -66,7 +66,10 @@ def at_tier(variant: Variant, gbps: float | None) -> Variant:
         raise NotApplicable(f"only our engine's copies are paced at an emulated link ({tier_label(gbps)})")
     if variant.name == "ours-tuned" or variant.config.get("as_written"):
         raise NotApplicable(f"{variant.name} takes no engine option: run at the real link only")
-    return ours_variant(variant.name, **variant.config, debug_link_gbps=gbps)
+    cfg = {k: v for k, v in variant.config.items() if k != "registration"}
+    paced = ours_variant(variant.name, **cfg, debug_link_gbps=gbps)
+    # a host whose registration fails stays one at every tier (the key is the bench's, not an engine option)
+    return registration_fails(paced) if "registration" in variant.config else paced
 
 
 def tier_row(row: dict[str, Any], gbps: float | None) -> dict[str, Any]:

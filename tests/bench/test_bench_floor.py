@@ -58,5 +58,10 @@ def test_the_failed_registration_row_is_offered_with_the_bounce_rows_and_needs_c
         assert names.index("ours-regfail") == names.index("ours-bounce-t8") + 1, names
     row = next(v for v in variants_for(wl) if v.name == "ours-regfail")
     assert row.family == "ours" and row.config == {"registration": "made to fail"}
-    with pytest.raises(NotApplicable, match="CUDA"):
-        row.setup(nn.Linear(2, 2), wl, torch.device("cpu"))
+    from bench.tiers import at_tier
+
+    for tier in (None, 25.0):  # paced at an emulated link it is still a host whose registration fails
+        paced = at_tier(row, tier)
+        assert paced.config.get("registration") == "made to fail", paced.config
+        with pytest.raises(NotApplicable, match="CUDA"):
+            paced.setup(nn.Linear(2, 2), wl, torch.device("cpu"))
