@@ -169,11 +169,19 @@ def registration_fails(variant: Variant) -> Variant:
                 taken.append((buf, raw))
             return buf, raw
 
+        def unregister() -> None:  # before the buffer can be freed (offload_core/hostmem.py)
+            for buf, _ in taken:
+                cudart.cudaHostUnregister(buf.data_ptr())
+            taken.clear()
+
         hostmem.host_buffer = registered_first
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 sess = setup(model, wl, device)
+        except BaseException:
+            unregister()  # a setup that failed leaves no range registered behind it
+            raise
         finally:
             hostmem.host_buffer = real
         said = [str(w.message) for w in caught if "bounce ring" in str(w.message)]
@@ -181,9 +189,7 @@ def registration_fails(variant: Variant) -> Variant:
 
         def teardown() -> None:
             inner()
-            for buf, _ in taken:
-                cudart.cudaHostUnregister(buf.data_ptr())
-            taken.clear()
+            unregister()
 
         sess.teardown = teardown
         sess.note = (sess.note + "; " if sess.note else "") + (said[0][:120] if said else "NO bounce-ring warning")
