@@ -98,10 +98,11 @@ def fail(reason: str, message: str, code: int = 2) -> NoReturn:
 
 
 def write_metrics(record: dict[str, Any]) -> None:
-    """Append one metrics line; NaN and Infinity are written as null (strict JSON)."""
+    """Append one metrics line (the shard runner's), whole, as the train and infer runners do
+    (telemetry.append_line); NaN and Infinity are written as null (strict JSON)."""
+    from jobs.runners.telemetry import append_line
     from jobs.strict_json import dumps
 
     path = os.environ.get("OFFLOAD_JOBS_METRICS")
     if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(dumps(record) + "\n")
+        append_line(path, dumps(record))

@@ -216,3 +216,25 @@ def test_a_metrics_line_is_appended_by_one_write_and_whole_after_short_writes(tm
     lines = path.read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2] and json.loads(lines[1])["units"] == row["units"]
     assert len(calls) == 6 and calls[0] > 20_000, "one write asked for the whole line, continued after each short one"
+
+
+def test_the_shard_runners_metrics_lines_go_in_whole_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard runner writes metrics.jsonl through _entry.write_metrics: the same one-write append,
+    with NaN written as null."""
+    from jobs.runners import _entry, telemetry
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("OFFLOAD_JOBS_METRICS", str(path))
+    calls: list[int] = []
+    write = os.write
+
+    def short(fd: int, data) -> int:
+        calls.append(len(data))
+        return write(fd, bytes(data[:4096]))
+
+    monkeypatch.setattr(telemetry.os, "write", short)
+    _entry.write_metrics({"step": 3, "files": ["f" * 100] * 100, "loss": float("nan")})
+    line = path.read_text()
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert json.loads(line)["loss"] is None and json.loads(line)["files"] == ["f" * 100] * 100
+    assert len(calls) == 3 and calls[0] > 10_000, calls
