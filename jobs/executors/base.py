@@ -50,6 +50,7 @@ class Launch:
     stop_grace: float = 10.0
     name: str | None = None  # the job's display name (for a batch system's queue)
     gpu_request: int = 0  # GPUs the job asks for (an executor that places jobs itself, Slurm, needs the count)
+    warm: bool = False  # a runner module: the process executor may fork it from a warm process
 
 
 @dataclass

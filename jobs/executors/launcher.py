@@ -46,6 +46,10 @@ PR_SET_CHILD_SUBREAPER = 36
 EXIT_RESERVE = 8192  # bytes kept for exit.json; the record is far smaller
 NOGO = b"nogo"
 SETUP = b"setup:"
+# Set by the warm process (jobs/executors/warm.py), which runs this file's `main` in a fork of itself:
+# called in the job's process where the launcher would exec, it runs a runner module there and never
+# returns; for any other command it returns and the exec goes ahead.
+WARM_RUN = None
 
 
 def _subreaper() -> bool:
@@ -77,6 +81,8 @@ def _child(args: argparse.Namespace, argv: list[str], go_fd: int | None, err_w: 
             except OSError as exc:
                 os.write(err_w, SETUP + f"workdir {args.cwd}: {exc.strerror}".encode())
                 os._exit(126)
+        if WARM_RUN is not None:
+            WARM_RUN(argv, err_w)
         try:
             os.execvpe(argv[0], argv, os.environ)
         except OSError as exc:

@@ -24,6 +24,7 @@ from typing import Any
 from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV
 from jobs.executors import proctree
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
+from jobs.executors.warm import READY_TIMEOUT_S, WarmPool, WarmPopen, warm_enabled
 from jobs.rundir import RunDir
 from jobs.contract import RUNNER_ENV_OPTIONS
 
@@ -56,7 +57,7 @@ def job_environment(env: dict[str, str]) -> dict[str, str]:
 class _Held:
     """The worker's side of one attempt it started: the launcher's Popen and the go pipe."""
 
-    def __init__(self, popen: subprocess.Popen[bytes] | None, go_w: int | None) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes] | WarmPopen | None, go_w: int | None) -> None:
         self.popen = popen
         self.go_w = go_w
         self.released: bool | None = False if go_w is not None else None  # None: adopted, not known here
@@ -76,8 +77,9 @@ class _Held:
 class ProcessExecutor(Executor):
     name = "process"
 
-    def __init__(self, use_cgroups: bool = True) -> None:
+    def __init__(self, use_cgroups: bool = True, warm: bool | None = None) -> None:
         self._cgroup_root: str | None | bool = None if use_cgroups else False
+        self._warm: WarmPool | None = WarmPool() if (warm_enabled() if warm is None else warm) else None
 
     @property
     def cgroup_root(self) -> str | None:
@@ -96,27 +98,37 @@ class ProcessExecutor(Executor):
                 cgroup = proctree.Cgroup.create(self.cgroup_root, _cgroup_name(launch.job_id, launch.attempt))
             except OSError as exc:
                 log.warning("no cgroup for %s/%s (%s); using the subreaper", launch.job_id, launch.attempt, exc)
-        argv = [sys.executable, "-S", "-E", str(LAUNCHER), "--run-dir", str(launch.run_dir.path),
-                "--job-id", launch.job_id, "--attempt", str(launch.attempt), "--umask", f"{launch.umask:o}"]
+        opts = ["--run-dir", str(launch.run_dir.path), "--job-id", launch.job_id, "--attempt", str(launch.attempt),
+                "--umask", f"{launch.umask:o}"]
         if cgroup is not None:
-            argv += ["--cgroup", cgroup.path]
+            opts += ["--cgroup", cgroup.path]
         if launch.lease_file:
-            argv += ["--lease-file", launch.lease_file]
+            opts += ["--lease-file", launch.lease_file]
         if launch.cwd:
-            argv += ["--cwd", launch.cwd]
+            opts += ["--cwd", launch.cwd]
+        opts += ["--", *launch.argv]
         go_r, go_w = os.pipe()
         info_r, info_w = os.pipe()
-        argv[4:4] = ["--go-fd", str(go_r), "--info-fd", str(info_w)]
         try:
             log_fd = launch.run_dir.open_log_fd()
         except OSError as exc:
             for fd in (go_r, go_w, info_r, info_w):
                 os.close(fd)
             raise SetupFailed(f"cannot open {launch.run_dir.log_file}: {exc}") from None
+        popen: subprocess.Popen[bytes] | WarmPopen | None = None
         try:
-            popen = subprocess.Popen(argv + ["--", *launch.argv], stdin=subprocess.DEVNULL, stdout=log_fd,
-                                     stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True,
-                                     close_fds=True, pass_fds=(go_r, info_w))
+            if launch.warm and self._warm is not None:  # the same launcher, forked with the libraries imported
+                # A worker on a shared store has a claim to record in time: it never waits for the imports.
+                popen = self._warm.spawn(opts, env, [log_fd, go_r, info_w], wait=0.0 if launch.lease_file else READY_TIMEOUT_S)
+            if popen is None:
+                argv = [sys.executable, "-S", "-E", str(LAUNCHER), "--go-fd", str(go_r), "--info-fd", str(info_w)]
+                popen = subprocess.Popen(argv + opts, stdin=subprocess.DEVNULL, stdout=log_fd,
+                                         stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True,
+                                         close_fds=True, pass_fds=(go_r, info_w))
+        except SetupFailed:
+            os.close(go_w)
+            os.close(info_r)
+            raise
         except (OSError, ValueError) as exc:
             os.close(go_w)
             os.close(info_r)
@@ -139,7 +151,7 @@ class ProcessExecutor(Executor):
                  "pid": info["child"], "pgid": info["child"], "starttime": info.get("child_starttime"),
                  "cgroup": cgroup.path if cgroup is not None else None, "subreaper": bool(info.get("subreaper")),
                  "gpus": list(launch.gpus), "job_id": launch.job_id, "attempt": launch.attempt,
-                 "run_dir": str(launch.run_dir.path)}
+                 "run_dir": str(launch.run_dir.path), "warm": isinstance(popen, WarmPopen)}
         return Handle(pid=info["child"], pgid=info["child"], info=ident, obj=held)
 
     def release(self, handle: Handle) -> None:
@@ -306,7 +318,7 @@ def _run_dir(handle: Handle) -> RunDir:
     return RunDir(handle.info["run_dir"])
 
 
-def _read_info(fd: int, popen: subprocess.Popen[bytes]) -> dict[str, Any]:
+def _read_info(fd: int, popen: subprocess.Popen[bytes] | WarmPopen) -> dict[str, Any]:
     data = b""
     deadline = time.monotonic() + INFO_TIMEOUT_S
     while not data.endswith(b"\n"):
@@ -329,7 +341,7 @@ def _read_info(fd: int, popen: subprocess.Popen[bytes]) -> dict[str, Any]:
     return info
 
 
-def _wait(popen: subprocess.Popen[bytes], timeout: float) -> int | None:
+def _wait(popen: subprocess.Popen[bytes] | WarmPopen, timeout: float) -> int | None:
     try:
         return popen.wait(timeout)
     except subprocess.TimeoutExpired:

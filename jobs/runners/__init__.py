@@ -27,6 +27,7 @@ class Plan:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    warm: bool = False  # a runner module the process executor may fork from its warm process (executors/warm.py)
 
 
 Runner = Callable[[JobSpec, RunDir, dict[str, str]], Plan]
@@ -80,7 +81,9 @@ def _module_runner(module: str) -> Runner:
         env = job_env(spec, run_dir, base_env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC_ROOT, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, "-m", module, str(run_dir.path)]
-        return Plan(argv=argv, env=env, cwd=_cwd(spec, run_dir))
+        # The warm process keeps bitsandbytes out, as the runners do for every job but adamw8bit's.
+        needs_bnb = getattr(getattr(spec, "train", None), "optimizer", None) == "adamw8bit"
+        return Plan(argv=argv, env=env, cwd=_cwd(spec, run_dir), warm=not needs_bnb)
 
     return run
 

@@ -323,7 +323,7 @@ class Scheduler(LoopThread):
                 gpus=r.gpus if self.gpu_count else [], image=spec.image, shm_size=spec.resources.shm_size,
                 job_env={k: v for k, v in plan.env.items() if self._base_env.get(k) != v}, umask=self.job_umask,
                 lease_file=lease_file, time_limit=spec.limits.max_duration, stop_grace=spec.limits.stop_grace,
-                name=spec.display_name(), gpu_request=spec.gpus,
+                name=spec.display_name(), gpu_request=spec.gpus, warm=plan.warm,
             ))
             if r.ship is not None:
                 r.handle.info.update(log_start=r.ship.log_start, metrics_start=r.ship.metrics_start)

@@ -1,0 +1,148 @@
+"""Warm starts (jobs/executors/warm.py): runner jobs forked from a process that imported their libraries
+once are the same jobs as cold ones, bitwise, and their launchers keep every promise of the cold path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from jobs_helpers import WorkerProcess, wait_until
+from runner_helpers import infer_spec, pictures, run_dir, run_job, step_records, train_spec
+from safetensors.torch import load_file
+
+from jobs.executors import Exit, Launch, proctree
+from jobs.executors.process import ProcessExecutor
+from jobs.executors.warm import warm_enabled
+from jobs.rundir import RunDir
+
+
+def _warm_pids(parent: int) -> set[int]:
+    found = set()
+    for pid in proctree.children_map().get(parent, []):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"jobs.executors.warm" in f.read():
+                    found.add(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def wex():
+    ex = ProcessExecutor(use_cgroups=False, warm=True)
+    yield ex
+    ex._warm.close()
+
+
+def _launch(tmp_path: Path, argv: list[str], job_id: str = "w") -> Launch:
+    rd = RunDir(tmp_path / "run").create({"kind": "command", "command": argv})
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+           "OFFLOAD_JOBS_JOB_ID": job_id, "OFFLOAD_JOBS_ATTEMPT": "1"}
+    return Launch(job_id=job_id, attempt=1, argv=argv, env=env, cwd=str(rd.path), run_dir=rd, warm=True)
+
+
+def _ended(ex: ProcessExecutor, h, timeout: float = 30.0) -> Exit:
+    return wait_until(lambda: ex.poll(h), timeout, what="the attempt's end")
+
+
+def test_a_warm_launcher_holds_its_child_until_released_and_reports_its_exit(wex, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    launch = _launch(tmp_path, ["/bin/sh", "-c", f"touch {marker}; echo out; exit 5"])
+    h = wex.prepare(launch)
+    assert h.info["warm"] is True
+    launcher = proctree.proc_stat(h.info["launcher_pid"])
+    assert launcher is not None and launcher.ppid != os.getpid()  # forked by the warm process, not the worker
+    assert launcher.pgid == h.info["launcher_pid"] and h.pgid == h.pid  # its own session, the job its own group
+    time.sleep(0.3)
+    assert not marker.exists()  # nothing runs before the go byte
+    wex.release(h)
+    assert _ended(wex, h) == Exit(exit_code=5)
+    assert marker.exists() and "out" in launch.run_dir.log_file.read_text()
+    rec = launch.run_dir.read_exit(1)
+    assert rec is not None and (rec["exit_code"], rec["ran"]) == (5, True)
+    assert h.obj.popen.wait(10) == 5  # the warm process told the worker the launcher's status
+    wex.cleanup(h)
+
+
+def test_an_aborted_warm_attempt_never_runs(wex, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    h = wex.prepare(_launch(tmp_path, ["/bin/sh", "-c", f"touch {marker}"]))
+    wex.abort(h)
+    ex = _ended(wex, h)
+    assert ex.ran is False and not marker.exists()
+    wex.cleanup(h)
+
+
+def test_a_warm_attempt_is_killed_with_its_tree(wex, tmp_path: Path) -> None:
+    h = wex.start(_launch(tmp_path, ["/bin/sh", "-c", "sleep 60 & sleep 60"]))
+    wait_until(lambda: len(proctree.descendants(h.info["launcher_pid"])) >= 2, 10, what="the job's processes")
+    wex.kill(h)
+    assert _ended(wex, h).signal == signal.SIGKILL
+    wex.cleanup(h)
+    assert proctree.descendants(h.info["launcher_pid"]) == []
+
+
+def test_the_worker_switch() -> None:
+    assert warm_enabled({}) and not warm_enabled({"OFFLOAD_JOBS_WARM_START": "0"})
+    assert ProcessExecutor(warm=False)._warm is None
+
+
+def test_warm_jobs_are_the_cold_jobs_bitwise_and_the_warm_process_leaves_with_its_worker(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    """The same train and infer jobs on a cold worker and a warm one: the same losses, LoRA bytes and
+    pictures; the warm worker forked both from one warm process, which exits when its worker is killed."""
+    specs = [train_spec(tiny, steps=3, save_every=3), infer_spec(tiny, steps=2)]
+    for s in specs:
+        s["env"] = {}  # as a user's job: torch's own thread count (a warm process whose pool had run would hang)
+    done: dict[str, list[dict]] = {}
+    warm_pid: set[int] = set()
+    for mode in ("0", "1"):
+        w = WorkerProcess(tmp_path / f"home{mode}", env={"OFFLOAD_JOBS_WARM_START": mode}).start()
+        try:
+            with w.client() as c:
+                done[mode] = [run_job(c, dict(s)) for s in specs]
+            if mode == "1":
+                warm_pid = _warm_pids(w.proc.pid)
+                assert len(warm_pid) == 1
+                w.kill9()
+                wait_until(lambda: not any(proctree.alive(p) for p in warm_pid), 15, what="the warm process's exit")
+        finally:
+            w.stop()
+    for mode, jobs in done.items():
+        assert [j["status"] for j in jobs] == ["SUCCEEDED"] * 2, [j.get("message") for j in jobs]
+        assert [j["attempts"][-1]["handle"]["warm"] for j in jobs] == [mode == "1"] * 2
+    cold, warm = done["0"], done["1"]
+    assert [r["loss"] for r in step_records(warm[0])] == [r["loss"] for r in step_records(cold[0])]
+    lora = [load_file(run_dir(j) / "outputs" / "lora.safetensors") for j in (cold[0], warm[0])]
+    assert lora[0].keys() == lora[1].keys() and lora[0]
+    assert all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])
+    assert pictures(warm[1]) == pictures(cold[1]) and pictures(cold[1])
+
+
+_POOL = """
+from jobs.executors.warm import _preload, _unsafe
+blas = _preload()
+print(repr(_unsafe(blas)))
+import torch
+x = torch.randn(1000, 1000)
+(x @ x).exp().sum()  # torch's OpenMP pool starts
+print(repr(_unsafe(blas)))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no thread")
+def test_a_process_whose_openmp_pool_ran_refuses_to_serve() -> None:
+    """Its imports leave only OpenBLAS's thread (fork-safe); once torch's OpenMP pool has run, a fork would
+    hang at its first parallel op, so the process says why it cannot serve."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    res = subprocess.run([sys.executable, "-c", _POOL], capture_output=True, text=True, env=env, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before, after = res.stdout.splitlines()[-2:]
+    assert before == "''" and "threads besides the main one" in after
