@@ -47,3 +47,5 @@ def test_train_and_infer_on_cuda(gpu_worker, tiny: dict[str, Path], family: str)
     inf = run_job(client, inf_spec)
     assert inf["status"] == "SUCCEEDED", log(inf)[-3000:]
     assert (run_dir(inf) / "outputs" / "contact_sheet.png").is_file()
+    # forked from the warm process (which loaded no CUDA driver: a fork would not get a usable CUDA)
+    assert [j["attempts"][-1]["handle"]["warm"] for j in (job, inf)] == [True, True]
