@@ -20,7 +20,9 @@ needs bitsandbytes, which the warm process keeps out as the runners do) is exec'
 The warm process never starts a thread or touches CUDA: it checks, after its imports, that it has one
 thread and no CUDA driver loaded, and refuses to serve otherwise (the executor then starts cold). It
 is the parent of the launchers it forks and tells the worker each one's exit status; it leaves when
-the worker does (its socket reads EOF) or after `IDLE_S` with nothing to do and no launcher left.
+its socket reads EOF: the worker has exited, or closed it after `IDLE_S` with no request and no
+launcher left (the worker decides, under the lock its requests take, so none is sent to a process
+on its way out).
 `OFFLOAD_JOBS_WARM_START=0` in the worker's environment turns all of this off.
 """
 
@@ -58,7 +60,8 @@ PER_ATTEMPT_ENV = frozenset({
 })
 POOL_SIZE = 2  # warm processes kept, one per job environment, least recently used leaves first
 READY_TIMEOUT_S = 120.0  # the imports take 4-10 s; a box under load may take far longer
-IDLE_S = 120.0  # a warm process with no launcher and no request for this long leaves
+IDLE_S = 120.0  # a warm process with no launcher and no request for this long is closed (it exits on EOF)
+IDLE_CHECK_S = 5.0
 MAX_MSG = 1 << 20
 
 
@@ -76,7 +79,7 @@ class _Zygote:
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "jobs.executors.warm", str(theirs.fileno())], env=env, cwd="/",
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,  # what it prints: the worker's log
                 start_new_session=True, close_fds=True, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
@@ -84,17 +87,23 @@ class _Zygote:
         self.cond = threading.Condition()
         self.replies: list[dict[str, Any]] = []
         self.exits: dict[int, int] = {}  # launcher pid -> wait status, until read
+        self.live: set[int] = set()  # launchers it forked that have not ended
         self.dead = False
+        self.closed = False
         self.ready: bool | None = None
         self.why = ""
         self.used = time.monotonic()
         threading.Thread(target=self._read, name="warm-reader", daemon=True).start()
 
     def _read(self) -> None:
+        self.sock.settimeout(IDLE_CHECK_S)
         while True:
             try:
                 data = self.sock.recv(MAX_MSG)
                 msg = json.loads(data) if data else None
+            except TimeoutError:
+                self._close_if_idle()
+                continue
             except (OSError, ValueError):
                 msg = None
             with self.cond:
@@ -106,12 +115,30 @@ class _Zygote:
                     break
                 if "exit" in msg:
                     self.exits[int(msg["exit"])] = int(msg["status"])
+                    self.live.discard(int(msg["exit"]))
+                    self.used = time.monotonic()  # idle counts from the last launcher's end too
                 elif "ready" in msg:
                     self.ready, self.why = bool(msg["ready"]), str(msg.get("why") or "")
                 else:
+                    if "pid" in msg:
+                        self.live.add(int(msg["pid"]))
                     self.replies.append(msg)
                 self.cond.notify_all()
         self.popen.wait()
+
+    def _close_if_idle(self) -> None:
+        """The worker, not the warm process, decides it is idle: under the request lock, so no request
+        is ever sent to a process on its way out."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            with self.cond:
+                idle = self.ready is not None and not self.live and time.monotonic() - self.used > IDLE_S
+            if idle:
+                self.closed = True
+                self.close()
+        finally:
+            self.lock.release()
 
     def wait_ready(self, timeout: float) -> bool | None:
         """True when it serves, False when it cannot, None when it is still importing after `timeout`."""
@@ -125,14 +152,17 @@ class _Zygote:
         """The pid of a launcher forked with `argv` (its options and the job's command), `env` and `fds`
         (the log, the go pipe's read end, the info pipe's write end)."""
         with self.lock:
+            if self.closed or self.dead:
+                raise OSError("the warm process has left")  # not sent: the caller starts the launcher cold
             self.used = time.monotonic()
             req = json.dumps({"argv": argv, "env": env}).encode()
             self.sock.sendmsg([req], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             # Sent: a launcher may now exist with these descriptors, so no cold one may start with them.
             with self.cond:
                 if not self.cond.wait_for(lambda: self.replies or self.dead, READY_TIMEOUT_S) or not self.replies:
+                    self.closed = True
                     self.close()
-                    raise SetupFailed("the warm process did not answer; the attempt is retried")
+                    raise SetupFailed("the warm process died before answering (see the worker's log)")
                 reply = self.replies.pop(0)
         if "pid" not in reply:  # it did not fork: the descriptors are unused
             raise OSError(str(reply.get("error") or reply))
@@ -207,7 +237,7 @@ class WarmPool:
             if key in self._refused:
                 return None
             z = self._zygotes.get(key)
-            if z is not None and (z.dead or z.popen.poll() is not None):
+            if z is not None and (z.dead or z.closed or z.popen.poll() is not None):
                 del self._zygotes[key]
                 z = None
             if z is None:
@@ -431,7 +461,6 @@ def serve(fd: int) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda _s, _f: None)
     children: set[int] = set()
-    idle_since = time.monotonic()
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [], 5.0)
         if wake_r in ready:
@@ -479,9 +508,6 @@ def serve(fd: int) -> int:
                 for f in fds:
                     os.close(f)
             sock.send(json.dumps(reply).encode())
-            idle_since = time.monotonic()
-        if not children and time.monotonic() - idle_since > IDLE_S:
-            return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from jobs.executors import Exit, Launch, proctree
 from jobs.executors.process import ProcessExecutor
+from jobs.executors import warm
 from jobs.executors.warm import warm_enabled
 from jobs.rundir import RunDir
 
@@ -89,6 +90,19 @@ def test_a_warm_attempt_is_killed_with_its_tree(wex, tmp_path: Path) -> None:
     assert proctree.descendants(h.info["launcher_pid"]) == []
 
 
+def test_the_warm_process_is_closed_when_idle_and_never_under_a_running_launcher(wex, tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(warm, "IDLE_S", 1.0)  # read at each check (every IDLE_CHECK_S, 5 s)
+    h = wex.start(_launch(tmp_path, ["/bin/sh", "-c", "sleep 7"]))
+    z = h.obj.popen._z
+    time.sleep(6)  # past IDLE_S since the request, and a check has run: its launcher still runs
+    assert not z.closed and z.popen.poll() is None
+    assert _ended(wex, h).exit_code == 0
+    wait_until(lambda: z.popen.poll() is not None, 20, what="the idle warm process's exit")
+    assert z.closed  # closed by the worker's side (under its request lock), then it read EOF and left
+    wex.cleanup(h)
+
+
 def test_the_worker_switch() -> None:
     assert warm_enabled({}) and not warm_enabled({"OFFLOAD_JOBS_WARM_START": "0"})
     assert ProcessExecutor(warm=False)._warm is None
@@ -98,7 +112,7 @@ def test_warm_jobs_are_the_cold_jobs_bitwise_and_the_warm_process_leaves_with_it
         tiny: dict[str, Path], tmp_path: Path) -> None:
     """The same train and infer jobs on a cold worker and a warm one: the same losses, LoRA bytes and
     pictures; the warm worker forked both from one warm process, which exits when its worker is killed."""
-    specs = [train_spec(tiny, steps=3, save_every=3), infer_spec(tiny, steps=2)]
+    specs = [train_spec(tiny, steps=2, save_every=2), infer_spec(tiny, steps=2, prompt="a red square")]
     for s in specs:
         s["env"] = {}  # as a user's job: torch's own thread count (a warm process whose pool had run would hang)
     done: dict[str, list[dict]] = {}
@@ -127,10 +141,12 @@ def test_warm_jobs_are_the_cold_jobs_bitwise_and_the_warm_process_leaves_with_it
 
 
 _POOL = """
-from jobs.executors.warm import _preload, _unsafe
-blas = _preload()
-print(repr(_unsafe(blas)))
+from jobs.executors.warm import _threads, _unsafe
+before = _threads()
+import numpy  # as _preload: OpenBLAS's thread server starts here
+blas = _threads() - before
 import torch
+print(repr(_unsafe(blas)))
 x = torch.randn(1000, 1000)
 (x @ x).exp().sum()  # torch's OpenMP pool starts
 print(repr(_unsafe(blas)))
@@ -139,8 +155,9 @@ print(repr(_unsafe(blas)))
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no thread")
 def test_a_process_whose_openmp_pool_ran_refuses_to_serve() -> None:
-    """Its imports leave only OpenBLAS's thread (fork-safe); once torch's OpenMP pool has run, a fork would
-    hang at its first parallel op, so the process says why it cannot serve."""
+    """torch's import leaves only OpenBLAS's thread (fork-safe; the warm executor above serves without
+    OMP_NUM_THREADS); once torch's OpenMP pool has run, a fork would hang at its first parallel op, so the
+    process says why it cannot serve."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     res = subprocess.run([sys.executable, "-c", _POOL], capture_output=True, text=True, env=env, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
