@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         os.close(err_r)
         if args.info_fd is not None:
             os.close(args.info_fd)
+        if reserved is not None:  # the exit record's space is the launcher's (exec would close it too)
+            os.close(reserved)
         _child(args, cmd, args.go_fd, err_w)
     child_pid.append(pid)
     os.close(err_w)

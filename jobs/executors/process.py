@@ -24,7 +24,7 @@ from typing import Any
 from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV
 from jobs.executors import proctree
 from jobs.executors.base import Executor, Exit, Handle, Launch, Recovered, SetupFailed
-from jobs.executors.warm import READY_TIMEOUT_S, WarmPool, WarmPopen, warm_enabled
+from jobs.executors.warm import START_WAIT_S, WarmPool, WarmPopen, warm_enabled
 from jobs.rundir import RunDir
 from jobs.contract import RUNNER_ENV_OPTIONS
 
@@ -119,7 +119,7 @@ class ProcessExecutor(Executor):
         try:
             if launch.warm and self._warm is not None:  # the same launcher, forked with the libraries imported
                 # A worker on a shared store has a claim to record in time: it never waits for the imports.
-                popen = self._warm.spawn(opts, env, [log_fd, go_r, info_w], wait=0.0 if launch.lease_file else READY_TIMEOUT_S)
+                popen = self._warm.spawn(opts, env, [log_fd, go_r, info_w], wait=0.0 if launch.lease_file else START_WAIT_S)
             if popen is None:
                 argv = [sys.executable, "-S", "-E", str(LAUNCHER), "--go-fd", str(go_r), "--info-fd", str(info_w)]
                 popen = subprocess.Popen(argv + opts, stdin=subprocess.DEVNULL, stdout=log_fd,

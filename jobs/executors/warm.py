@@ -46,7 +46,8 @@ from typing import Any
 from jobs.batchdir import BATCH_DIR_ENV, BATCH_ROLE_ENV
 from jobs.executors.base import SetupFailed
 
-__all__ = ["WarmPool", "WarmPopen", "WARM_MODULES", "PER_ATTEMPT_ENV", "WARM_ENV", "READY_TIMEOUT_S", "warm_enabled"]
+__all__ = ["WarmPool", "WarmPopen", "WARM_MODULES", "PER_ATTEMPT_ENV", "WARM_ENV", "READY_TIMEOUT_S", "START_WAIT_S",
+           "warm_enabled"]
 
 log = logging.getLogger("offload_jobs.executor.warm")
 
@@ -57,9 +58,12 @@ WARM_MODULES = frozenset({"jobs.runners.train_main", "jobs.runners.infer_main", 
 PER_ATTEMPT_ENV = frozenset({
     "OFFLOAD_JOBS_RUN_DIR", "OFFLOAD_JOBS_METRICS", "OFFLOAD_JOBS_OUTPUTS", "OFFLOAD_JOBS_EXIT_REPORT",
     "OFFLOAD_JOBS_JOB_ID", "OFFLOAD_JOBS_ATTEMPT", BATCH_DIR_ENV, BATCH_ROLE_ENV,
+    # read when CUDA starts (in the job), never at import; the warm process is checked to hold no CUDA driver
+    "CUDA_VISIBLE_DEVICES",
 })
 POOL_SIZE = 2  # warm processes kept, one per job environment, least recently used leaves first
-READY_TIMEOUT_S = 120.0  # the imports take 4-10 s; a box under load may take far longer
+READY_TIMEOUT_S = 120.0  # the longest a request waits for the warm process's answer
+START_WAIT_S = 15.0  # the longest an attempt waits for a new warm process's imports (4-10 s), else it starts cold
 IDLE_S = 120.0  # a warm process with no launcher and no request for this long is closed (it exits on EOF)
 IDLE_CHECK_S = 5.0
 MAX_MSG = 1 << 20
@@ -179,10 +183,14 @@ class WarmPopen:
     """The part of `subprocess.Popen` the executor uses, for a launcher the warm process forked."""
 
     def __init__(self, pid: int, zygote: _Zygote, args: list[str]) -> None:
+        from jobs.executors import proctree
+
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
         self._z = zygote
+        st = proctree.proc_stat(pid)  # the launcher waits for its go byte: it cannot have been reaped yet
+        self.starttime = st.starttime if st is not None else None
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -194,7 +202,7 @@ class WarmPopen:
             dead = self._z.dead
         if status is not None:
             self.returncode = os.waitstatus_to_exitcode(status)
-        elif dead and not proctree.alive(self.pid):
+        elif dead and not proctree.alive(self.pid, self.starttime):
             # The warm process died before telling (it reaps its launchers); the status is not known.
             self.returncode = -signal.SIGKILL
         return self.returncode
@@ -211,7 +219,9 @@ class WarmPopen:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
+        from jobs.executors import proctree
+
+        if self.poll() is None and proctree.alive(self.pid, self.starttime):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -241,6 +251,16 @@ class WarmPool:
                 del self._zygotes[key]
                 z = None
             if z is None:
+                # Room for one more: close the least recently used that has no launcher left to report on;
+                # if every one has, this attempt starts cold.
+                idle = [k for k, old in self._zygotes.items() if not old.live]
+                if len(self._zygotes) - len(idle) >= self.size:
+                    return None
+                while len(self._zygotes) >= self.size:
+                    old = self._zygotes.pop(idle.pop(0))
+                    with old.lock:
+                        old.closed = True
+                        old.close()
                 try:
                     z = _Zygote(base)
                 except OSError as exc:
@@ -248,9 +268,6 @@ class WarmPool:
                     self._refused.add(key)
                     return None
                 self._zygotes[key] = z
-                while len(self._zygotes) > self.size:
-                    _, old = self._zygotes.popitem(last=False)
-                    old.close()
             self._zygotes.move_to_end(key)
         ready = z.wait_ready(wait)
         if ready is None:
@@ -373,7 +390,8 @@ def run_job(argv: list[str], err_w: int) -> None:
     if np is not None:
         np.random.seed()
     sys.argv = [argv[2], *argv[3:]]  # run_module sets argv[0] to the module's file
-    sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     code: int = 0
     interrupted = False
     try:
@@ -389,8 +407,8 @@ def run_job(argv: list[str], err_w: int) -> None:
     except KeyboardInterrupt:
         traceback.print_exc()
         interrupted = True
-    except BaseException:  # noqa: BLE001 - the interpreter prints it and exits 1
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - the interpreter hands it to sys.excepthook and exits 1
+        sys.excepthook(*sys.exc_info())
         code = 1
     # What the interpreter does at exit: wait for non-daemon threads, then the atexit functions.
     try:
@@ -403,6 +421,12 @@ def run_job(argv: list[str], err_w: int) -> None:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+    try:  # what C code printed (libc's buffers, which exit() would flush and os._exit does not)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     if interrupted:  # as CPython does for an uncaught KeyboardInterrupt
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -418,10 +442,10 @@ def _spawn(req: dict[str, Any], fds: list[int], closing: list[int], launcher: An
     code = 126
     try:
         os.setsid()  # as the worker's Popen(start_new_session=True)
+        signal.set_wakeup_fd(-1)  # before its pipe closes
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in closing:
             os.close(fd)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log_fd, 1)
@@ -507,7 +531,10 @@ def serve(fd: int) -> int:
             finally:
                 for f in fds:
                     os.close(f)
-            sock.send(json.dumps(reply).encode())
+            try:
+                sock.send(json.dumps(reply).encode())
+            except OSError:
+                return 0  # the worker is gone
 
 
 if __name__ == "__main__":

@@ -90,6 +90,21 @@ def test_a_warm_attempt_is_killed_with_its_tree(wex, tmp_path: Path) -> None:
     assert proctree.descendants(h.info["launcher_pid"]) == []
 
 
+def test_a_warm_process_with_a_running_launcher_is_never_evicted(wex, tmp_path: Path, monkeypatch) -> None:
+    """A full pool whose warm processes all have launchers to report on starts another environment's
+    attempt cold, rather than closing one (its launchers' exit statuses would be lost)."""
+    monkeypatch.setattr(wex._warm, "size", 1)
+    a = wex.start(_launch(tmp_path / "a", ["/bin/sh", "-c", "sleep 3"]))
+    other = _launch(tmp_path / "b", ["/bin/sh", "-c", "exit 0"])
+    other.env["SOMETHING_ELSE"] = "1"  # another environment: another warm process's key
+    b = wex.start(other)
+    assert (a.info["warm"], b.info["warm"]) == (True, False)
+    assert _ended(wex, b).exit_code == 0 and _ended(wex, a).exit_code == 0
+    assert a.obj.popen.wait(10) == 0 and not a.obj.popen._z.closed  # still there, and told a's status
+    wex.cleanup(a)
+    wex.cleanup(b)
+
+
 def test_the_warm_process_is_closed_when_idle_and_never_under_a_running_launcher(wex, tmp_path: Path,
                                                                                   monkeypatch) -> None:
     monkeypatch.setattr(warm, "IDLE_S", 1.0)  # read at each check (every IDLE_CHECK_S, 5 s)
