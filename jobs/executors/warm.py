@@ -65,6 +65,7 @@ POOL_SIZE = 2  # warm processes kept, one per job environment, least recently us
 READY_TIMEOUT_S = 120.0  # the longest a request waits for the warm process's answer
 START_WAIT_S = 15.0  # the longest an attempt waits for a new warm process's imports (4-10 s), else it starts cold
 IDLE_S = 120.0  # a warm process with no launcher and no request for this long is closed (it exits on EOF)
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch asks NVML, not cuInit, whether CUDA is there
 IDLE_CHECK_S = 5.0
 MAX_MSG = 1 << 20
 
@@ -305,51 +306,94 @@ def _threads() -> set[str]:
 
 def _preload() -> set[str]:
     """Import what the runners import, as they do (collector off, bitsandbytes hidden, frozen after).
-    Returns the ids of the threads numpy's OpenBLAS started: its thread server, which stops itself
-    before a fork and starts again after (its pthread_atfork handlers), so it does not keep a fork
-    from being a fresh interpreter's equal."""
+    Returns the ids of the threads a fork may leave behind: the BLAS libraries' (numpy's OpenBLAS,
+    and scipy's own copy that peft's import loads), whose thread servers stop themselves before a
+    fork and start again after (OpenBLAS's pthread_atfork handlers), and NVML's helper.
+
+    The imports must not start the CUDA driver (a forked child could not use it): diffusers asks
+    ``torch.accelerator.is_available()`` at import (``torch_utils.torch_device``), which runs cuInit
+    unless torch asks NVML instead, so they run with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (torch's
+    switch for fork-safe checks; a fork uses CUDA after it, measured on an H100), NVML asked first
+    so its helper thread is known, and the answer diffusers caches is dropped after."""
     sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # as _entry.hide_unused_packages
     from jobs.runners._entry import imports_without_gc
 
     before = _threads()
     import numpy  # noqa: F401  (torch imports it first thing anyway)
 
-    blas = _threads() - before
-    with imports_without_gc():
-        import peft  # noqa: F401
-        import torch  # noqa: F401
+    try:
+        import scipy.linalg  # noqa: F401  (peft imports it; its OpenBLAS starts its threads here)
+    except ImportError:
+        pass
+    nvml = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"
+    try:
+        with imports_without_gc():
+            import torch
 
-        import offload_core  # noqa: F401
-        import offload_core.disk  # noqa: F401
-        import offload_core.shard  # noqa: F401
-        import jobs.runners.convert  # noqa: F401
-        import jobs.runners.cosched  # noqa: F401
-        import jobs.runners.infer  # noqa: F401
-        import jobs.runners.train  # noqa: F401
-        from jobs.runners.families import ADAPTERS
+            torch.cuda.is_available()  # through NVML: its helper thread starts here
+            allowed = _threads() - before
+            import peft  # noqa: F401
 
-        for adapter in ADAPTERS.values():
-            adapter.classes()
-    return blas
+            import offload_core  # noqa: F401
+            import offload_core.disk  # noqa: F401
+            import offload_core.shard  # noqa: F401
+            import jobs.runners.convert  # noqa: F401
+            import jobs.runners.cosched  # noqa: F401
+            import jobs.runners.infer  # noqa: F401
+            import jobs.runners.train  # noqa: F401
+            from jobs.runners.families import ADAPTERS
+
+            for adapter in ADAPTERS.values():
+                adapter.classes()
+    finally:
+        if nvml is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = nvml
+    _forget_device_answers()
+    return allowed
+
+
+def _forget_device_answers() -> None:
+    """Drop the device answers the imports cached, so a job (its own CUDA_VISIBLE_DEVICES) asks afresh."""
+    try:
+        from diffusers.utils.torch_utils import TorchDeviceBackend
+
+        TorchDeviceBackend._detect_device_type.cache_clear()
+    except (ImportError, AttributeError):
+        pass
 
 
 def _unsafe(blas: set[str]) -> str:
     """Why forking this process would not give a job what a fresh interpreter gives it, or ''.
 
-    Any thread but the main one and OpenBLAS's (an OpenMP pool that ran, a library's helper) would be
+    A started CUDA driver is unusable in a fork. Any thread but the main one, the BLAS libraries' and
+    NVML's (an OpenMP pool that ran, a library's helper, the driver's own) would be
     missing in the fork, or hold a lock it never releases there: a forked torch whose OpenMP pool had
     run hangs at its first parallel op (measured), so such a process never serves.
     """
+    if _cuda_started():
+        return "the CUDA driver was started by the imports"
     others = _threads() - blas - {str(os.getpid())}
     if others or threading.active_count() != 1:
         return f"{len(others)} threads besides the main one after the imports"
-    try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" in f.read():
-                return "the CUDA driver was loaded by the imports"
-    except OSError:
-        pass
     return ""
+
+
+def _cuda_started() -> bool:
+    """Whether torch started the CUDA driver here: then it marks a fork of this process as unable to
+    use CUDA (``torch.cuda._is_in_bad_fork``), which a throwaway fork asks."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled():
+        return False
+    if torch.cuda.is_initialized():
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
 
 
 def _load_launcher() -> Any:

@@ -47,5 +47,6 @@ def test_train_and_infer_on_cuda(gpu_worker, tiny: dict[str, Path], family: str)
     inf = run_job(client, inf_spec)
     assert inf["status"] == "SUCCEEDED", log(inf)[-3000:]
     assert (run_dir(inf) / "outputs" / "contact_sheet.png").is_file()
-    # forked from the warm process (which loaded no CUDA driver: a fork would not get a usable CUDA)
-    assert [j["attempts"][-1]["handle"]["warm"] for j in (job, inf)] == [True, True]
+    # forked from the warm process (which started no CUDA driver: a fork would not get a usable CUDA);
+    # the first job may start cold if the warm process's imports take longer than an attempt waits
+    assert inf["attempts"][-1]["handle"]["warm"] is True, gpu_worker.log.read_text()[-3000:]

@@ -178,3 +178,21 @@ def test_a_process_whose_openmp_pool_ran_refuses_to_serve() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     before, after = res.stdout.splitlines()[-2:]
     assert before == "''" and "threads besides the main one" in after
+
+
+_PRELOAD = """
+import os
+from jobs.executors.warm import _NVML_CHECK, _cuda_started, _preload, _unsafe
+os.environ.pop(_NVML_CHECK, None)
+blas = _preload()
+from diffusers.utils.torch_utils import TorchDeviceBackend
+print(repr(_unsafe(blas)), _cuda_started(), os.environ.get(_NVML_CHECK), TorchDeviceBackend._detect_device_type.cache_info().currsize)
+"""
+
+
+def test_the_warm_imports_leave_no_cuda_and_no_trace_in_the_environment() -> None:
+    """The imports ask NVML (not cuInit) whether CUDA is there, and leave the job's environment and
+    diffusers' cached device answer as a fresh interpreter has them (a job may see other devices)."""
+    res = subprocess.run([sys.executable, "-c", _PRELOAD], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.splitlines()[-1] == "'' False None 0"
