@@ -1,8 +1,9 @@
 """GPU acceptance for debug_link_gbps (``pytest -m gpu``): the copies run at the emulated link's rate.
 
-With ``debug_link_gbps=13`` the copy rate the engine measures (and the planner reads) is within
-15% of 13 GB/s, through the pinned arena and through the bounce ring alike, and the outputs equal
-the unpaced run's bit for bit.
+With ``debug_link_gbps`` the copy rate the engine measures (and the planner reads) is within 15% of
+the asked rate, through the pinned arena (13 GB/s) and through a 64 MiB bounce ring (8 GB/s: unpaced,
+that small a ring reached 15.3 GB/s on an H100, too close to 13 to show the pacing) alike, and the
+outputs equal the unpaced run's bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from offload_core_test_models import DiT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp")]
 CUDA = "cuda"
-LINK = 13.0
+LINK = {"arena": 13.0, "bounce": 8.0}
 
 
 
@@ -39,15 +40,16 @@ def _run(model: torch.nn.Module, **cfg: object) -> tuple[list[torch.Tensor], dic
 @pytest.mark.parametrize("store", ["arena", "bounce"])
 def test_paced_copies_run_at_the_link_rate_and_stay_bitwise(store: str) -> None:
     torch.manual_seed(0)
+    link = LINK[store]
     base = DiT(1024, 8, 8, False).requires_grad_(False)  # 8 blocks of 50 MB (fp32)
     extra = {"pinned_limit": "64MiB"} if store == "bounce" else {}
     want, real = _run(copy.deepcopy(base), **extra)
-    got, paced = _run(copy.deepcopy(base), debug_link_gbps=LINK, **extra)
+    got, paced = _run(copy.deepcopy(base), debug_link_gbps=link, **extra)
     assert paced["host_store"] == real["host_store"] == store
     for i, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"pass {i} differs from the unpaced run"
-    assert paced["link_paced"] is True and paced["link_real_gbps"] > LINK
+    assert paced["link_paced"] is True and paced["link_real_gbps"] > link
     assert paced["link_paced_bytes"] == paced["h2d_bytes"] > 0
     # the rate the planner reads is the paced one; the real link was well above it
-    assert abs(paced["h2d_gbps"] / LINK - 1) <= 0.15, (paced["h2d_gbps"], paced["link_real_gbps"])
-    assert real["h2d_gbps"] > 1.5 * LINK, real["h2d_gbps"]
+    assert abs(paced["h2d_gbps"] / link - 1) <= 0.15, (paced["h2d_gbps"], paced["link_real_gbps"])
+    assert real["h2d_gbps"] > 1.5 * link, real["h2d_gbps"]
