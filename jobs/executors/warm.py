@@ -365,7 +365,7 @@ def _forget_device_answers() -> None:
         pass
 
 
-def _unsafe(blas: set[str]) -> str:
+def _unsafe(allowed: set[str]) -> str:
     """Why forking this process would not give a job what a fresh interpreter gives it, or ''.
 
     A started CUDA driver is unusable in a fork. Any thread but the main one, the BLAS libraries' and
@@ -375,7 +375,7 @@ def _unsafe(blas: set[str]) -> str:
     """
     if _cuda_started():
         return "the CUDA driver was started by the imports"
-    others = _threads() - blas - {str(os.getpid())}
+    others = _threads() - allowed - {str(os.getpid())}
     if others or threading.active_count() != 1:
         return f"{len(others)} threads besides the main one after the imports"
     return ""

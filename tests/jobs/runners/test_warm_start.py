@@ -191,8 +191,9 @@ print(repr(_unsafe(blas)), _cuda_started(), os.environ.get(_NVML_CHECK), TorchDe
 
 
 def test_the_warm_imports_leave_no_cuda_and_no_trace_in_the_environment() -> None:
-    """The imports ask NVML (not cuInit) whether CUDA is there, and leave the job's environment and
-    diffusers' cached device answer as a fresh interpreter has them (a job may see other devices)."""
+    """The imports leave the job's environment (the NVML switch they ran under) and diffusers' cached
+    device answer as a fresh interpreter has them (a job may see other devices), and the process can
+    serve. That a fork then uses CUDA is test_runners_gpu's to show (a warm infer job on a card)."""
     res = subprocess.run([sys.executable, "-c", _PRELOAD], capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.splitlines()[-1] == "'' False None 0"
