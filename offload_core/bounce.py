@@ -151,7 +151,9 @@ class _Ring:
         self.fill_bytes = 0
         self.fill_s = 0.0
         self.wait_s = 0.0  # the issuer waiting for a fill
-        self.hold: Callable[[int], None] = _no_hold  # a LinkPacer's hold under debug_link_gbps (link.py)
+        # a LinkPacer's start and hold under debug_link_gbps (link.py): before and after each chunk's copy
+        self.start: Callable[[], Any] = _no_start
+        self.hold: Callable[..., None] = _no_hold
         self.cpus = _spare_cpus()  # OFFLOAD_BOUNCE_CORES=spare: the CPUs the threads keep to (None: any)
 
     def _start(self, loop: Callable[[], None], name: str, n: int) -> None:
@@ -278,15 +280,17 @@ class _Ring:
             self.check()
             out = dst[off: off + n]
             if stream is not None:
+                slot = self.start()
                 out.copy_(self.bufs[b][:n], non_blocking=True)
-                self.hold(n)  # an emulated slower link holds the buffer as long as that link would
+                self.hold(n, slot)  # an emulated slower link holds the buffer as long as that link would
                 # blocking: a fill thread waiting on it sleeps; the default event spins, and 16 spinning
                 # threads took the cores the memcpys and the engine's own thread need
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             else:
+                slot = self.start()
                 out.copy_(self.bufs[b][:n])
-                self.hold(n)
+                self.hold(n, slot)
                 ev = None
             off += n
             with c:
@@ -489,16 +493,18 @@ class _RegisterRing(_Ring):
             out = dst[piece.dst_offset: piece.dst_offset + piece.nbytes]
             src = w.tensor[piece.offset: piece.offset + piece.nbytes]
             if stream is not None:
+                slot = self.start()
                 out.copy_(src, non_blocking=True)
-                self.hold(piece.nbytes)
+                self.hold(piece.nbytes, slot)
                 before = w.event
                 if before is not None:  # a copy out of this window on another stream: the new event covers it too
                     stream.wait_event(before)
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             else:
+                slot = self.start()
                 out.copy_(src)
-                self.hold(piece.nbytes)
+                self.hold(piece.nbytes, slot)
                 ev = None
             with self.cond:
                 w.event = ev
@@ -578,7 +584,11 @@ def _spare_cpus() -> set[int] | None:
     return rest if len(rest) >= 2 else None
 
 
-def _no_hold(nbytes: int) -> None:
+def _no_start() -> None:
+    """The real link: nothing to stamp before a chunk's copy."""
+
+
+def _no_hold(nbytes: int, slot: Any = None) -> None:
     """The real link: nothing to add after a chunk's copy."""
 
 
@@ -675,5 +685,6 @@ class BounceStore:
         self.ring.drain()
 
     def pace(self, pacer: Any) -> None:
-        """Hold the copy stream after each chunk's copy as an emulated slower link would (link.py)."""
+        """Pace each chunk's copy as an emulated slower link would (link.py)."""
+        self.ring.start = pacer.start
         self.ring.hold = pacer.chunk_hold(self.ring.chunk)

@@ -2,19 +2,21 @@
 
 A consumer card sits behind a slower PCIe link than the H200 we measure on: Gen4 x8 about 13 GB/s
 (4060 Ti), Gen4 x16 about 25 (3090/4090), Gen5 x16 about 50 (5090), against 55 here. To measure
-the engine at those rates on one machine, every H2D weight copy the engine enqueues is followed,
-on the same stream, by a spin kernel (``torch.cuda._sleep``) for the time the slower link would
-have needed on top of the real copy::
+the engine at those rates on one machine, every H2D weight copy the engine enqueues is bracketed,
+on its stream, by two one-thread kernels (Triton):
 
-    hold = nbytes / asked_rate - nbytes / real_rate
+    stamp   writes the device's global timer (%globaltimer, ns) into a slot, just before the copy
+    copy    the real copy, at the real link's rate
+    pace    spins until the global timer reads  stamp + nbytes / asked_rate
 
-``real_rate`` is this device's pinned H2D rate at the copies' size (the fastest of eight 64 MiB
-copies, measured once per process; for a bounce ring's chunks, copies of a chunk's size: a 16 MiB
-copy runs slower than a 64 MiB one, and reckoned from the 64 MiB rate the ring's link ran at 23.2
-where 25 GB/s was asked, on the H200), and the spin's clock rate (cycles per microsecond) is calibrated once too, after a
-warm-up spin has raised the clock. Both are the fastest readings, so a copy that runs slower than
-that, or a clock that drops under load, makes the link slower than asked, never faster: the
-achieved rate is in ``stats()["h2d_gbps"]`` beside the asked one.
+so a copy, from the moment the stream reaches it, lasts ``nbytes / asked_rate`` or its real time
+if that is longer (a copy the host slows, a copy waiting on the host's memory bus): never less
+than the slower link would take, and not more either. Nothing is estimated: the deadline is read
+off the device's clock at the copy's start. (The first form held the stream after each copy for
+``nbytes / asked - nbytes / real`` with ``real`` the fastest probe reading: every copy slower than
+the probe made the link slower than asked; a bounce ring's 16 MiB chunks, ~2,500 a Flux step,
+ran at 22.7-23.2 where 25 GB/s was asked.) Where Triton cannot be imported, or
+``OFFLOAD_LINK_PACING=hold``, that first form is used (``stats()["link_pacing"]`` says which).
 
 What the hold delays is what the slower link would delay: the unit's ``ready`` event (compute
 waits for it), the next copy on that stream, the reuse of a bounce buffer the copy read from, and
@@ -32,6 +34,8 @@ link: copies are counted but not slowed.
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any, Callable
 
 import torch
@@ -98,11 +102,59 @@ def pinned_h2d_gbps(device: torch.device, nbytes: int = _PROBE_BYTES) -> float:
     return rate
 
 
+PACING_ENV = "OFFLOAD_LINK_PACING"  # "deadline" (the default where Triton imports) or "hold" (the first form)
+_SLOTS = 4096  # stamps in flight: a slot is reused 4,096 copies later, long after its copy's pace ran
+
+_kernels: Any = None  # (stamp, pace) Triton kernels; False where Triton cannot be imported
+
+
+def _deadline_kernels() -> Any:
+    global _kernels
+    if _kernels is None:
+        try:
+            _kernels = _build()
+        except ImportError:
+            _kernels = False
+    return _kernels or None
+
+
+def _build() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["slot"])
+    def stamp(slots, slot):
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(slots + slot, now)
+
+    @triton.jit(do_not_specialize=["slot", "ns"])
+    def pace(slots, slot, ns):
+        deadline = tl.load(slots + slot) + ns
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        while now < deadline:
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                            pack=1)
+
+    return stamp, pace
+
+
+def pacing_mode() -> str:
+    """``OFFLOAD_LINK_PACING``: "deadline" (default) or "hold"; anything else is a named error."""
+    from .errors import OffloadConfigError
+
+    raw = os.environ.get(PACING_ENV, "")
+    value = raw.strip().lower() or "deadline"
+    if value not in ("deadline", "hold"):
+        raise OffloadConfigError(f"{PACING_ENV}={raw!r}: expected deadline or hold")
+    return value
+
+
 class LinkPacer:
-    """Holds the current stream after each H2D copy for the extra time a ``gbps`` link would take.
+    """Paces each H2D copy the engine enqueues to the time a ``gbps`` link would take.
 
     ``copy(dst, src)`` is the paced copy (the engine binds it in place of a plain one at setup, so
-    an engine without the option runs no pacing code); ``hold(nbytes)`` paces a copy already queued.
+    an engine without the option runs no pacing code); a store that queues its own copies calls
+    ``slot = start()`` before one and ``hold(nbytes, slot)`` after it.
     """
 
     def __init__(self, gbps: float, device: torch.device) -> None:
@@ -115,18 +167,44 @@ class LinkPacer:
         self.real_gbps: float | None = None
         self.cycles_per_us: float | None = None
         self._cycles_per_byte = 0.0
+        self.mode = pacing_mode()
+        self._kernels = None
+        self._slots: torch.Tensor | None = None
+        self._next = itertools.count()
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
-            self.cycles_per_us = spin_cycles_per_us(device)
-            self._cycles_per_byte = self.cycles_per_byte(self.real_gbps)
+            self._kernels = _deadline_kernels() if self.mode == "deadline" and self.real_gbps > self.gbps else None
+            if self._kernels is None:
+                self.mode = "hold"
+                self.cycles_per_us = spin_cycles_per_us(device)
+                self._cycles_per_byte = self.cycles_per_byte(self.real_gbps)
+            else:
+                self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
+                self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
+        else:
+            self.mode = "count"
 
     def cycles_per_byte(self, real_gbps: float) -> float:
         """Spin cycles per byte copied at ``real_gbps`` for the copy to take as long as on the asked link."""
         extra_us_per_byte = max(0.0, 1.0 / self.gbps - 1.0 / real_gbps) / 1e3  # (s/GB) / 1e9 B * 1e6 us
         return extra_us_per_byte * (self.cycles_per_us or 0.0)
 
-    def hold(self, nbytes: int) -> None:
-        """After a copy of ``nbytes`` queued on the current stream: spin there for the slower link's extra time."""
+    def start(self) -> int | None:
+        """Before a copy on the current stream: its start stamped on the device (deadline pacing)."""
+        if self._kernels is None:
+            return None
+        slot = next(self._next) % _SLOTS
+        self._kernels[0][(1,)](self._slots, slot, num_warps=1)
+        return slot
+
+    def hold(self, nbytes: int, slot: int | None = None) -> None:
+        """After a copy of ``nbytes`` queued on the current stream: hold the stream until the slower
+        link would be done (from ``slot``'s stamp), or for its extra time reckoned from the real rate."""
+        if slot is not None and self._kernels is not None:
+            self.paced_bytes += nbytes
+            self.paced_copies += 1
+            self._kernels[1][(1,)](self._slots, slot, int(nbytes * self._ns_per_byte), num_warps=1)
+            return
         self._spin(nbytes, self._cycles_per_byte)
 
     def _spin(self, nbytes: int, cycles_per_byte: float) -> None:
@@ -136,26 +214,29 @@ class LinkPacer:
         if cycles > 0:
             torch.cuda._sleep(cycles)
 
-    def chunk_hold(self, chunk_bytes: int) -> Callable[[int], None]:
-        """``hold`` for copies of at most ``chunk_bytes`` (a bounce ring's): their extra time reckoned
-        from the real rate of copies that size, so the ring's link is the asked one too."""
-        if not self.is_cuda or chunk_bytes >= _PROBE_BYTES:
+    def chunk_hold(self, chunk_bytes: int) -> Callable[..., None]:
+        """``hold`` for copies of at most ``chunk_bytes`` (a bounce ring's). Deadline pacing needs no
+        rate; the first form reckons their extra time from the real rate of copies that size, so the
+        ring's link is the asked one too."""
+        if not self.is_cuda or chunk_bytes >= _PROBE_BYTES or self._kernels is not None:
             return self.hold
         self.chunk_real_gbps = pinned_h2d_gbps(self.device, chunk_bytes)
         per_byte = self.cycles_per_byte(self.chunk_real_gbps)
-        return lambda nbytes: self._spin(nbytes, per_byte)
+        return lambda nbytes, slot=None: self._spin(nbytes, per_byte)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on the current stream (asynchronous on a card), then the hold."""
+        """``dst.copy_(src)`` on the current stream (asynchronous on a card), paced."""
+        slot = self.start()
         dst.copy_(src, non_blocking=self.is_cuda)
-        self.hold(src.numel() * src.element_size())
+        self.hold(src.numel() * src.element_size(), slot)
 
     def stats(self) -> dict[str, Any]:
         return {
             "link_gbps": self.gbps,
             "link_real_gbps": self.real_gbps,
             "link_chunk_real_gbps": self.chunk_real_gbps,
-            "link_paced": self._cycles_per_byte > 0,  # False: the real link is no faster than asked (or the CPU)
+            "link_pacing": self.mode,  # deadline, hold (the first form), or count (the CPU: nothing slowed)
+            "link_paced": self._kernels is not None or self._cycles_per_byte > 0,  # False: real link no faster, or the CPU
             "link_paced_bytes": self.paced_bytes,
             "link_paced_copies": self.paced_copies,
         }

@@ -23,7 +23,7 @@ from offload_core.shard import shard_checkpoint
 from offload_core_disk_helpers import flux_inputs, tiny_flux
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
 
-LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_paced", "link_paced_bytes", "link_paced_copies"}
+LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_pacing", "link_paced", "link_paced_bytes", "link_paced_copies"}
 
 
 @pytest.mark.parametrize("bad", [0, -13, math.nan, math.inf, "13", True, [13]])
@@ -142,6 +142,7 @@ def test_a_bounce_rings_chunks_are_paced_from_the_real_rate_of_copies_their_size
     come from the rate measured at their size; a unit's copy keeps the probe's."""
     from offload_core import link
 
+    monkeypatch.setenv(link.PACING_ENV, "hold")
     rates = {64 << 20: 55.0, 16 << 20: 44.0}
     monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: rates[nbytes])
     monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
@@ -160,3 +161,62 @@ def test_a_bounce_rings_chunks_are_paced_from_the_real_rate_of_copies_their_size
     assert pacer.stats()["link_chunk_real_gbps"] == 44.0 and pacer.stats()["link_paced_copies"] == 2
     other = link.LinkPacer(25, torch.device("cuda"))
     assert other.chunk_hold(64 << 20) == other.hold, "chunks as big as the probe: the probe's rate"
+
+
+class _Launch:
+    """Stands in for a Triton kernel's ``kernel[grid](*args)`` launch: records the arguments."""
+
+    def __init__(self, calls: list, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kw: self.calls.append((self.name, args[1:]))
+
+
+def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_time_on_the_link(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default form: a stamp before the copy, and a pace that waits for stamp + nbytes / rate, each
+    copy with its own slot; nothing reckoned from a probe (the chunk size changes nothing)."""
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    calls: list = []
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: pytest.fail("deadline pacing never spins by cycles"))
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    assert pacer.stats()["link_pacing"] == "deadline" and pacer.stats()["link_paced"] is True
+    hold = pacer.chunk_hold(16 << 20)
+    assert hold == pacer.hold and pacer.stats()["link_chunk_real_gbps"] is None
+    a, b = pacer.start(), pacer.start()
+    hold(16 << 20, a)
+    pacer.hold(50_000_000, b)
+    assert calls == [("stamp", (a,)), ("stamp", (b,)), ("pace", (a, int((16 << 20) / 25))), ("pace", (b, 2_000_000))]
+    assert a != b and pacer.stats()["link_paced_copies"] == 2
+    assert pacer.stats()["link_paced_bytes"] == (16 << 20) + 50_000_000
+
+
+def test_deadline_pacing_falls_back_to_the_first_form_without_triton_and_not_at_all_on_a_fast_enough_link(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: None)  # Triton not importable
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    st = link.LinkPacer(25, torch.device("cuda")).stats()
+    assert st["link_pacing"] == "hold" and st["link_paced"] is True
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 20.0)
+    st = link.LinkPacer(25, torch.device("cuda")).stats()
+    assert st["link_paced"] is False  # the real link is slower than asked: nothing to hold
+    assert link.LinkPacer(25, torch.device("cpu")).stats()["link_pacing"] == "count"
+
+
+@pytest.mark.parametrize("bad", ["spin", "1"])
+def test_a_bad_pacing_switch_is_a_named_error(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    from offload_core import link
+
+    monkeypatch.setenv(link.PACING_ENV, bad)
+    with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_PACING='.*': expected deadline or hold"):
+        link.LinkPacer(25, torch.device("cpu"))
