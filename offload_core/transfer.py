@@ -82,7 +82,12 @@ class Transfer:
         self._by_raw: dict[int, Any] = {}  # raw stream handle -> its Stream object (compute_stream)
         self._freed = None  # one event re-recorded per load: a wait takes the record made before it
         if self.use_streams:
-            self.h2d_stream = torch.cuda.Stream(device)
+            # Under an emulated link (debug_link_gbps) the pacer's one-thread kernels run on the copy
+            # stream; at the default priority each waits for an SM until the compute kernel filling them
+            # all drains (a bounce ring's 2,500 chunk copies a Flux step lost 1-3 ms at ~150 of them).
+            # A high-priority stream's blocks go first as compute's blocks retire. Plain copies run
+            # no kernel there: the priority changes nothing without the pacer.
+            self.h2d_stream = torch.cuda.Stream(device, priority=-1 if pacer is not None else 0)
             self.d2h_stream = torch.cuda.Stream(device)
             self.convert_stream = torch.cuda.Stream(device) if widener.raw else None
             self._freed = torch.cuda.Event()
