@@ -31,6 +31,8 @@ nor the backward of the last unit used (which runs after its use).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import device, planner
@@ -65,6 +67,7 @@ class Replanner:
         # (slots, depth, kept units) release() gave back, taken again at the next call
         self.restore: tuple[int, int, frozenset[int]] | None = None
         self.released = 0  # times release() gave slots back
+        self._cycle_mark: tuple[int, Any] | None = None  # (cycle, the event at its start) while deciding
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -164,6 +167,8 @@ class Replanner:
 
     def at_cycle_start(self) -> None:
         e, k = self.e, self.e.schedule.cycles
+        if self.active and e.timing is not None:
+            self._mark_cycle(k)
         if self.restore is not None:
             slots, depth, kept = self.restore
             self.restore = None
@@ -223,10 +228,16 @@ class Replanner:
                 self.before = None
                 self.active = False
             elif now > was - max(0.5, 0.02 * was) and (
-                    now > was + max(0.5, self.NOISE * e.prediction.get("growth_busy_ms", 0.0))
+                    (now > was + max(0.5, self.NOISE * e.prediction.get("growth_busy_ms", 0.0))
+                     and not self._cycle_held(self.judge_from, k - 1))
                     or e.prediction.get("chosen_by") not in self.SIMULATED):
-                # The stall rose past one cycle's noise, or a growth the simulation did not back (the
-                # measured-stall doubling) cut none of it: back to the ring before.
+                # The stall rose past one cycle's noise and the cycle took longer, or a growth the
+                # simulation did not back (the measured-stall doubling) cut none of it: back to the ring
+                # before. A stall that rose in a cycle that did not slow is a wait that moved: through a
+                # bounce store a deeper ring queues further ahead of the engine's thread, which waits
+                # less on the host and more on the device (on an H100 at an emulated 25 GB/s, Flux-dev
+                # LoRA: stall 447 -> 519 ms, and sent back to 3 slots the step took 1969.8 ms against
+                # 1938.9 on 5).
                 self.apply(self.before)
                 e.prediction["chosen_by"] = ("smallest ring (growth did not cut the measured stall)"
                                              if self.rounds == 1 else "free memory (the last growth bought nothing)")
@@ -292,6 +303,25 @@ class Replanner:
             e.kept_units(), slots, max(self.before.depth, slots - 1), p.get("planned_step_ms", 0.0),
             p.get("unplanned_step_ms", 0.0), f"free memory (one slot fewer: the allocator freed its cache {retried} times)",
             p.get("measured_other_bytes", 0), p.get("planned_device_bytes", 0) - e.ring.slot_bytes))
+
+    def _mark_cycle(self, k: int) -> None:
+        """A timing event at cycle k's start on the compute stream; it closes cycle k - 1's time."""
+        mark = self.e.transfer.mark()
+        last = self._cycle_mark
+        if last is not None and last[0] == k - 1:
+            self.e.timing.add("cycle", k - 1, last[1], mark, cycle=k - 1, own_end=False)
+        self._cycle_mark = (k, mark)
+
+    def cycle_time(self, cycle: int) -> float:
+        """The device's ms from cycle ``cycle``'s start to the next's (resolved timings only; 0: not read)."""
+        return self.e.timing.cycle_ms.get(("cycle", cycle), 0.0)
+
+    def _cycle_held(self, before: int, after: int) -> bool:
+        """Cycle ``after`` took no longer than cycle ``before``, within one cycle's noise (False where
+        either was not read)."""
+        was, now = self.cycle_time(before), self.cycle_time(after)
+        self.e.prediction.update(cycle_before_growth_ms=was, cycle_after_growth_ms=now)
+        return was > 0 and now > 0 and now <= was + max(0.5, self.NOISE * was)
 
     def cycle_stall(self, cycle: int) -> float:
         """Measured stall ms of one cycle (resolved timings only)."""

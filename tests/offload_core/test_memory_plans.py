@@ -209,22 +209,27 @@ def _adapter_trained_bitwise(steps: int) -> OffloadTrainingManager:
     return mgr
 
 
-@pytest.mark.parametrize("chosen_by,after,slots,final", [
+@pytest.mark.parametrize("chosen_by,after,cycle_after,slots,final", [
     # the simulation's growth, the stall within one cycle's noise: kept
-    ("free memory", 10.3, 4, "free memory"),
-    # the stall rose: back
-    ("free memory", 20.0, 3, "smallest ring (growth did not cut the measured stall)"),
+    ("free memory", 10.3, 100.0, 4, "free memory"),
+    # the stall rose and the cycle took longer: back
+    ("free memory", 20.0, 120.0, 3, "smallest ring (growth did not cut the measured stall)"),
+    # the stall rose in a cycle that did not slow (a wait that moved from the host to the device): kept
+    ("free memory", 20.0, 95.0, 4, "free memory"),
     # a growth the simulation did not back must cut it
-    ("free memory (measured stall)", 10.3, 3, "smallest ring (growth did not cut the measured stall)"),
+    ("free memory (measured stall)", 10.3, 95.0, 3, "smallest ring (growth did not cut the measured stall)"),
     # it did: kept, and the ring doubled again, which cut nothing more and went back
-    ("free memory (measured stall)", 5.0, 4, "free memory (the last growth bought nothing)"),
+    ("free memory (measured stall)", 5.0, 95.0, 4, "free memory (the last growth bought nothing)"),
 ])
 def test_a_growth_is_judged_by_its_measured_stall_within_one_cycles_noise(card: dict, monkeypatch: pytest.MonkeyPatch,
-                                                                         chosen_by: str, after: float, slots: int,
+                                                                         chosen_by: str, after: float,
+                                                                         cycle_after: float, slots: int,
                                                                          final: str) -> None:
     """One cycle's stall moves by a few percent with nothing changed: a growth the simulation chose
     stays unless the stall rose past that noise (sent back on a flat reading, the H200's Flux-dev LoRA
-    stayed on 3 slots in 2 of 5 runs: 1010.90 ms a step against 914.48 grown); a doubling the simulation did not back must cut it."""
+    stayed on 3 slots in 2 of 5 runs: 1010.90 ms a step against 914.48 grown) and the cycle took longer
+    (through a bounce store the stall rose 447 -> 519 ms on 5 slots while the step fell); a doubling the
+    simulation did not back must cut it."""
     from offload_core import planner
     from offload_core.replan import Replanner
 
@@ -234,10 +239,21 @@ def test_a_growth_is_judged_by_its_measured_stall_within_one_cycles_noise(card: 
     monkeypatch.setattr(planner, "plan_growth", one_more_slot)
     # 10 ms of stall a cycle on the smallest ring (cycles 1-2, read at the decision), `after` once grown
     monkeypatch.setattr(Replanner, "cycle_stall", lambda self, c: 10.0 if c <= 2 else after)
+    read: list[int] = []
+    real_cycle_time = Replanner.cycle_time
+
+    def cycle_time(self, c: int) -> float:
+        read.append(c)
+        assert real_cycle_time(self, c) > 0, f"cycle {c}'s time was not measured"
+        return 100.0 if c <= 2 else cycle_after
+
+    monkeypatch.setattr(Replanner, "cycle_time", cycle_time)
     mgr = _adapter_trained_bitwise(steps=8)
     st = mgr.stats()
     plan = st["plan"]
     assert plan["stall_after_growth_ms"] == after, plan
+    if after == 20.0 and chosen_by == "free memory":  # the cycles were read: the one before and the one after
+        assert read == [2, 4] and plan["cycle_after_growth_ms"] == cycle_after, (read, plan)
     assert (st["slot_count"], plan["chosen_by"]) == (slots, final), plan
     assert not st["planning"]
     mgr.remove()
