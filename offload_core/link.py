@@ -103,6 +103,7 @@ def pinned_h2d_gbps(device: torch.device, nbytes: int = _PROBE_BYTES) -> float:
 
 
 PACING_ENV = "OFFLOAD_LINK_PACING"  # "deadline" (the default where Triton imports) or "hold" (the first form)
+_MAX_NS = (1 << 31) - 1  # a pace's wait, at most (2.1 s): always an int32, so never a second compile
 _SLOTS = 4096  # stamps in flight: a slot is reused 4,096 copies later, long after its copy's pace ran
 
 _kernels: Any = None  # (stamp, pace) Triton kernels; False where Triton cannot be imported
@@ -181,6 +182,12 @@ class LinkPacer:
             else:
                 self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
                 self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
+                # Compiled now, at the engine's setup: compiled at the first paced copy, its second of
+                # compiling counted as that copy's time, and the copy rate the planner reads fell with it.
+                with torch.cuda.device(device):
+                    self._kernels[0][(1,)](self._slots, 0, num_warps=1)
+                    self._kernels[1][(1,)](self._slots, 0, 0, num_warps=1)  # an int32 wait, as every later one
+                    torch.cuda.synchronize(device)
         else:
             self.mode = "count"
 
@@ -203,7 +210,7 @@ class LinkPacer:
         if slot is not None and self._kernels is not None:
             self.paced_bytes += nbytes
             self.paced_copies += 1
-            self._kernels[1][(1,)](self._slots, slot, int(nbytes * self._ns_per_byte), num_warps=1)
+            self._kernels[1][(1,)](self._slots, slot, min(int(nbytes * self._ns_per_byte), _MAX_NS), num_warps=1)
             return
         self._spin(nbytes, self._cycles_per_byte)
 

@@ -8,6 +8,7 @@ and the results stay bitwise those of the unpaced run. The pacing itself is time
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -185,7 +186,12 @@ def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_tim
     monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: pytest.fail("deadline pacing never spins by cycles"))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", ())))
     pacer = link.LinkPacer(25, torch.device("cuda"))
+    # both kernels compiled at setup, and waited for: not at the first paced copy, inside its timing
+    assert calls == [("stamp", (0,)), ("pace", (0, 0)), ("synchronize", ())]
+    calls.clear()
     assert pacer.stats()["link_pacing"] == "deadline" and pacer.stats()["link_paced"] is True
     hold = pacer.chunk_hold(16 << 20)
     assert hold == pacer.hold and pacer.stats()["link_chunk_real_gbps"] is None
@@ -194,7 +200,9 @@ def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_tim
     pacer.hold(50_000_000, b)
     assert calls == [("stamp", (a,)), ("stamp", (b,)), ("pace", (a, int((16 << 20) / 25))), ("pace", (b, 2_000_000))]
     assert a != b and pacer.stats()["link_paced_copies"] == 2
-    assert pacer.stats()["link_paced_bytes"] == (16 << 20) + 50_000_000
+    pacer.hold(1 << 40, a)  # a wait past int32's nanoseconds is cut there (one compiled form)
+    assert calls[-1] == ("pace", (a, link._MAX_NS))
+    assert pacer.stats()["link_paced_bytes"] == (16 << 20) + 50_000_000 + (1 << 40)
 
 
 def test_deadline_pacing_falls_back_to_the_first_form_without_triton_and_not_at_all_on_a_fast_enough_link(
