@@ -121,10 +121,13 @@ class Parking:
             out.record_stream(current)  # allocated on the parking stream, used (and freed) on this one
         else:
             current.wait_event(p.event)
-            out = p.host.to(p.device, non_blocking=p.host.is_pinned())
-            if self.pacer is not None:
-                with torch.cuda.device(p.device):
-                    self.pacer.hold(out.numel() * out.element_size())  # on the stream the copy was queued on
+            if self.pacer is None:
+                out = p.host.to(p.device, non_blocking=p.host.is_pinned())
+            else:
+                with torch.cuda.device(p.device):  # stamped and held on the stream the copy is queued on
+                    slot = self.pacer.start()
+                    out = p.host.to(p.device, non_blocking=p.host.is_pinned())
+                    self.pacer.hold(out.numel() * out.element_size(), slot)
         self._bring_back_before(p)
         return out
 
@@ -137,9 +140,10 @@ class Parking:
             with torch.cuda.stream(s):
                 s.wait_event(q.event)
                 back = torch.empty(q.host.shape, dtype=q.host.dtype, device=q.device)
+                slot = self.pacer.start() if self.pacer is not None else None
                 back.copy_(q.host, non_blocking=True)
                 if self.pacer is not None:
-                    self.pacer.hold(back.numel() * back.element_size())
+                    self.pacer.hold(back.numel() * back.element_size(), slot)
                 q.back_event = torch.cuda.Event()
                 q.back_event.record(s)
             q.back = back
