@@ -397,8 +397,9 @@ class OffloadEngine:
         if self._root_depth > 1:
             return
         if self.timing is not None and self._cycle_start is not None:
-            # the last cycle was timed: root forward to root forward (each pair owns its two events)
-            self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark())
+            # the last cycle was timed: root forward to root forward (each pair owns its two events);
+            # kept per cycle too, for the replanner's judging of a growth
+            self.timing.add("cycle", -1, self._cycle_start, self.transfer.mark(), cycle=self.schedule.cycles)
             self._cycle_start = None
         with self.lock:
             self.counters.steps += 1

@@ -31,8 +31,6 @@ nor the backward of the last unit used (which runs after its use).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import device, planner
@@ -67,7 +65,6 @@ class Replanner:
         # (slots, depth, kept units) release() gave back, taken again at the next call
         self.restore: tuple[int, int, frozenset[int]] | None = None
         self.released = 0  # times release() gave slots back
-        self._cycle_mark: tuple[int, Any] | None = None  # (cycle, the event at its start) while deciding
 
     # ------------------------------------------------------------------ measuring
     def measure(self) -> planner.Measurements | None:
@@ -167,8 +164,6 @@ class Replanner:
 
     def at_cycle_start(self) -> None:
         e, k = self.e, self.e.schedule.cycles
-        if self.active and e.timing is not None:
-            self._mark_cycle(k)
         if self.restore is not None:
             slots, depth, kept = self.restore
             self.restore = None
@@ -304,16 +299,9 @@ class Replanner:
             p.get("unplanned_step_ms", 0.0), f"free memory (one slot fewer: the allocator freed its cache {retried} times)",
             p.get("measured_other_bytes", 0), p.get("planned_device_bytes", 0) - e.ring.slot_bytes))
 
-    def _mark_cycle(self, k: int) -> None:
-        """A timing event at cycle k's start on the compute stream; it closes cycle k - 1's time."""
-        mark = self.e.transfer.mark()
-        last = self._cycle_mark
-        if last is not None and last[0] == k - 1:
-            self.e.timing.add("cycle", k - 1, last[1], mark, cycle=k - 1, own_end=False)
-        self._cycle_mark = (k, mark)
-
     def cycle_time(self, cycle: int) -> float:
-        """The device's ms from cycle ``cycle``'s start to the next's (resolved timings only; 0: not read)."""
+        """The device's ms from cycle ``cycle``'s start (after the replanner's own work there) to the
+        next's (the engine's root-forward-to-root-forward pair; resolved timings only; 0: not read)."""
         return self.e.timing.cycle_ms.get(("cycle", cycle), 0.0)
 
     def _cycle_held(self, before: int, after: int) -> bool:

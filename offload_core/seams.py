@@ -87,7 +87,6 @@ class ReplanHost(Protocol):
     schedule: Schedule
     prediction: dict[str, Any]
     widener: UnitWidener
-    transfer: Transfer  # its mark(): the event that times a cycle while a growth is judged
 
     def resident_device_bytes(self) -> int: ...
 
