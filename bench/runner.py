@@ -201,7 +201,9 @@ def run_variant(
         row["rss_over_weight"] = (host_rss() - rss0) / weight_bytes
         if stats1 is not None:
             row["stats"] = _numeric(stats1)
-            for key in _COUNTERS:
+            # OFFLOAD_LINK_TRACE: the copy stream's busy and idle ms (link.py), per timed step too
+            traced = tuple(k for k in stats1 if k.startswith("link_trace_"))
+            for key in _COUNTERS + traced:
                 if isinstance(stats1.get(key), (int, float)) and isinstance((stats0 or {}).get(key), (int, float)):
                     row[f"{key}_per_step"] = (stats1[key] - stats0[key]) / repeats
             if isinstance(stats1.get("pinned_capacity_bytes"), (int, float)):

@@ -128,15 +128,65 @@ def _build() -> Any:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         tl.store(slots + slot, now)
 
-    @triton.jit(do_not_specialize=["slot", "ns"])
-    def pace(slots, slot, ns):
-        deadline = tl.load(slots + slot) + ns
+    @triton.jit(do_not_specialize=["slot", "ns", "row"])
+    def pace(slots, slot, ns, trace, row, TRACE: tl.constexpr):
+        start = tl.load(slots + slot)
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-        while now < deadline:
+        copied = now
+        while now < start + ns:
             now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                             pack=1)
+        if TRACE:  # the copy's start, when its real copy ended, when the slower link would have
+            tl.store(trace + row * 3, start)
+            tl.store(trace + row * 3 + 1, copied)
+            tl.store(trace + row * 3 + 2, now)
 
     return stamp, pace
+
+
+TRACE_ENV = "OFFLOAD_LINK_TRACE"  # copies to keep a device timeline of (deadline pacing; 0 or unset: none)
+
+
+def trace_capacity() -> int:
+    """``OFFLOAD_LINK_TRACE``: how many paced copies to trace (0: none); anything but a count is a named error."""
+    from .errors import OffloadConfigError
+
+    raw = os.environ.get(TRACE_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise OffloadConfigError(f"{TRACE_ENV}={raw!r}: expected a number of copies (0: off)")
+    return int(raw)
+
+
+GAP_EDGES_MS = (0.2, 1.0, 3.0, 10.0)  # idle gaps on the copy stream, bucketed at these sizes
+
+
+def trace_summary(start: torch.Tensor, copied: torch.Tensor, end: torch.Tensor) -> dict[str, float]:
+    """The copy stream's timeline in numbers: traced copies' device times (ns), in any order. Idle is the
+    time from the latest end so far to the next start; each gap goes to the bucket of its size."""
+    order = torch.argsort(start)
+    start, copied, end = start[order].double(), copied[order].double(), end[order].double()
+    n = int(start.numel())
+    out: dict[str, float] = {"link_trace_copies": float(n)}
+    if n == 0:
+        return out
+    reach = torch.cummax(end, 0).values
+    gaps = (start[1:] - reach[:-1]).clamp(min=0) / 1e6
+    out["link_trace_span_ms"] = float((reach[-1] - start[0]) / 1e6)
+    out["link_trace_busy_ms"] = float((end - start).sum() / 1e6)
+    out["link_trace_idle_ms"] = float(gaps.sum())
+    edges = (0.0,) + GAP_EDGES_MS + (float("inf"),)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        name = f"link_trace_idle_ms_{_ms(lo)}_{_ms(hi)}"
+        out[name] = float(gaps[(gaps > lo) & (gaps <= hi)].sum())
+    # copies whose real time reached the asked link's (the pace found its deadline passed)
+    out["link_trace_copies_over_deadline"] = float(((end - copied) < 2_000).sum())  # under 2 us of pace
+    return out
+
+
+def _ms(x: float) -> str:
+    return "up" if x == float("inf") else f"{x:g}".replace(".", "p")
 
 
 def pacing_mode() -> str:
@@ -169,9 +219,12 @@ class LinkPacer:
         self.cycles_per_us: float | None = None
         self._cycles_per_byte = 0.0
         self.mode = pacing_mode()
+        capacity = trace_capacity()  # read (and checked) on every device; kept on a card's deadline pacing only
         self._kernels = None
         self._slots: torch.Tensor | None = None
         self._next = itertools.count()
+        self._trace: torch.Tensor | None = None  # (copies, 3) device times under OFFLOAD_LINK_TRACE
+        self._traced = 0
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
             self._kernels = _deadline_kernels() if self.mode == "deadline" and self.real_gbps > self.gbps else None
@@ -182,12 +235,17 @@ class LinkPacer:
             else:
                 self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
                 self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
+                if capacity:
+                    self._trace = torch.zeros((capacity, 3), dtype=torch.int64, device=device)
                 # Compiled now, at the engine's setup: compiled at the first paced copy, its second of
                 # compiling counted as that copy's time, and the copy rate the planner reads fell with it.
                 with torch.cuda.device(device):
                     self._kernels[0][(1,)](self._slots, 0, num_warps=1)
-                    self._kernels[1][(1,)](self._slots, 0, 0, num_warps=1)  # an int32 wait, as every later one
+                    for traced in (False, True) if capacity else (False,):  # an int32 wait, as every later one
+                        self._kernels[1][(1,)](self._slots, 0, 0, self._slots, 0, TRACE=traced, num_warps=1)
                     torch.cuda.synchronize(device)
+                    if capacity:
+                        self._trace.zero_()
         else:
             self.mode = "count"
 
@@ -210,7 +268,13 @@ class LinkPacer:
         if slot is not None and self._kernels is not None:
             self.paced_bytes += nbytes
             self.paced_copies += 1
-            self._kernels[1][(1,)](self._slots, slot, min(int(nbytes * self._ns_per_byte), _MAX_NS), num_warps=1)
+            ns = min(int(nbytes * self._ns_per_byte), _MAX_NS)
+            trace, row = self._trace, self._traced
+            if trace is not None and row < trace.shape[0]:
+                self._traced += 1
+                self._kernels[1][(1,)](self._slots, slot, ns, trace, row, TRACE=True, num_warps=1)
+            else:
+                self._kernels[1][(1,)](self._slots, slot, ns, self._slots, 0, TRACE=False, num_warps=1)
             return
         self._spin(nbytes, self._cycles_per_byte)
 
@@ -237,8 +301,19 @@ class LinkPacer:
         dst.copy_(src, non_blocking=self.is_cuda)
         self.hold(src.numel() * src.element_size(), slot)
 
+    def timeline(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The traced copies' device times in ns (start, real copy's end, paced end), on the host; None
+        without OFFLOAD_LINK_TRACE. Waits for the device."""
+        if self._trace is None:
+            return None
+        torch.cuda.synchronize(self.device)
+        t = self._trace[: self._traced].cpu()
+        return t[:, 0], t[:, 1], t[:, 2]
+
     def stats(self) -> dict[str, Any]:
+        traced = self.timeline()
         return {
+            **(trace_summary(*traced) if traced is not None else {}),
             "link_gbps": self.gbps,
             "link_real_gbps": self.real_gbps,
             "link_chunk_real_gbps": self.chunk_real_gbps,

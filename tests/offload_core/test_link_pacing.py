@@ -171,7 +171,18 @@ class _Launch:
         self.calls, self.name = calls, name
 
     def __getitem__(self, grid: tuple) -> object:
-        return lambda *args, **kw: self.calls.append((self.name, args[1:]))
+        def launch(*args: object, **kw: object) -> None:
+            if self.name == "stamp":
+                self.calls.append(("stamp", args[1:]))
+            elif kw["TRACE"]:  # pace, recording its copy's times in row args[4] of the trace
+                self.calls.append(("pace-traced", (args[1], args[2], args[4])))
+                trace, row = args[3], args[4]
+                if isinstance(trace, torch.Tensor) and row < trace.shape[0] and args[2]:
+                    t0 = 1_000_000 * (row + 1) ** 2  # rows start 1, 4, 9 ms in; copied in 10 us, paced to 0.5 ms
+                    trace[row] = torch.tensor([t0, t0 + 10_000, t0 + 500_000])
+            else:
+                self.calls.append(("pace", args[1:3]))
+        return launch
 
 
 def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_time_on_the_link(
@@ -227,4 +238,62 @@ def test_a_bad_pacing_switch_is_a_named_error(monkeypatch: pytest.MonkeyPatch, b
 
     monkeypatch.setenv(link.PACING_ENV, bad)
     with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_PACING='.*': expected deadline or hold"):
+        link.LinkPacer(25, torch.device("cpu"))
+
+
+def test_a_traced_pacer_keeps_its_copies_device_times_and_sums_the_copy_streams_idle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OFFLOAD_LINK_TRACE=N: the first N paced copies record (start, real end, paced end) on the device;
+    stats() sums the copy stream's busy and idle time, its idle gaps by size."""
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    monkeypatch.setenv(link.TRACE_ENV, "3")
+    calls: list = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, dtype=k.get("dtype")))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    assert calls[1:] == [("pace", (0, 0)), ("pace-traced", (0, 0, 0))]  # both forms compiled at setup
+    assert int(pacer._trace.abs().sum()) == 0, "the setup's traced launch leaves no row behind"
+    calls.clear()
+    for _ in range(4):
+        pacer.hold(25_000, pacer.start())  # 1 us each on the asked link
+    assert [c[0] for c in calls if c[0] != "stamp"] == ["pace-traced"] * 3 + ["pace"]
+    st = pacer.stats()
+    # busy 3 x 0.5 ms; idle 3 - 0.5 = 2.5 and 5 - 0.5 = 4.5 ms
+    assert st["link_trace_copies"] == 3.0
+    assert st["link_trace_busy_ms"] == pytest.approx(1.5) and st["link_trace_idle_ms"] == pytest.approx(7.0)
+    assert st["link_trace_span_ms"] == pytest.approx(8.5)
+    assert st["link_trace_idle_ms_1_3"] == pytest.approx(2.5) and st["link_trace_idle_ms_3_10"] == pytest.approx(4.5)
+    assert st["link_trace_idle_ms_10_up"] == 0.0
+    assert st["link_trace_copies_over_deadline"] == 0.0
+
+
+def test_the_trace_summary_buckets_gaps_by_size_and_counts_copies_that_met_their_deadline() -> None:
+    from offload_core.link import trace_summary
+
+    ms = 1_000_000
+    start = torch.tensor([0, 1 * ms, 3 * ms, 20 * ms], dtype=torch.int64)  # given out of order below
+    end = start + ms // 2
+    copied = end.clone()
+    copied[0] = start[0] + ms // 4  # the others' real copies took the whole asked time: no pace left
+    st = trace_summary(start.flip(0), copied.flip(0), end.flip(0))
+    assert st["link_trace_idle_ms"] == pytest.approx(0.5 + 1.5 + 16.5)
+    assert st["link_trace_idle_ms_0p2_1"] == pytest.approx(0.5)
+    assert st["link_trace_idle_ms_1_3"] == pytest.approx(1.5)
+    assert st["link_trace_idle_ms_10_up"] == pytest.approx(16.5)
+    assert st["link_trace_copies_over_deadline"] == 3.0
+    assert trace_summary(*(torch.zeros(0, dtype=torch.int64),) * 3) == {"link_trace_copies": 0.0}
+
+
+@pytest.mark.parametrize("bad", ["many", "-1", "1.5"])
+def test_a_bad_trace_count_is_a_named_error(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    from offload_core import link
+
+    monkeypatch.setenv(link.TRACE_ENV, bad)
+    with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_TRACE='.*': expected a number of copies"):
         link.LinkPacer(25, torch.device("cpu"))
