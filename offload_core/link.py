@@ -224,30 +224,44 @@ class LinkPacer:
         self._slots: torch.Tensor | None = None
         self._next = itertools.count()
         self._trace: torch.Tensor | None = None  # (copies, 3) device times under OFFLOAD_LINK_TRACE
-        self._traced = 0
+        self._rows = itertools.count()  # the next traced copy's row (next() is atomic: two threads pace)
+        self._traced = 0  # rows written so far
+        self.note = ""  # why deadline pacing was not used, where it was asked for
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
-            self._kernels = _deadline_kernels() if self.mode == "deadline" and self.real_gbps > self.gbps else None
+            if self.mode == "deadline" and self.real_gbps > self.gbps:
+                self._kernels = _deadline_kernels()
+                if self._kernels is None:
+                    self.note = "Triton cannot be imported: the first form"
+                else:
+                    self._setup_deadline(capacity)
             if self._kernels is None:
                 self.mode = "hold"
                 self.cycles_per_us = spin_cycles_per_us(device)
                 self._cycles_per_byte = self.cycles_per_byte(self.real_gbps)
-            else:
-                self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
-                self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
-                if capacity:
-                    self._trace = torch.zeros((capacity, 3), dtype=torch.int64, device=device)
-                # Compiled now, at the engine's setup: compiled at the first paced copy, its second of
-                # compiling counted as that copy's time, and the copy rate the planner reads fell with it.
-                with torch.cuda.device(device):
-                    self._kernels[0][(1,)](self._slots, 0, num_warps=1)
-                    for traced in (False, True) if capacity else (False,):  # an int32 wait, as every later one
-                        self._kernels[1][(1,)](self._slots, 0, 0, self._slots, 0, TRACE=traced, num_warps=1)
-                    torch.cuda.synchronize(device)
-                    if capacity:
-                        self._trace.zero_()
         else:
             self.mode = "count"
+
+    def _setup_deadline(self, capacity: int) -> None:
+        """Deadline pacing's device state, and both kernels compiled now, at the engine's setup: compiled
+        at the first paced copy, the second of compiling counted as that copy's time, and the copy rate
+        the planner reads fell with it. A kernel that cannot be built or run here leaves the first form."""
+        device = self.device
+        try:
+            self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
+            self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
+            if capacity:
+                self._trace = torch.zeros((capacity, 3), dtype=torch.int64, device=device)
+            with torch.cuda.device(device):
+                self._kernels[0][(1,)](self._slots, 0, num_warps=1)
+                for traced in (False, True) if capacity else (False,):  # an int32 wait, as every later one
+                    self._kernels[1][(1,)](self._slots, 0, 0, self._slots, 0, TRACE=traced, num_warps=1)
+                torch.cuda.synchronize(device)
+                if capacity:
+                    self._trace.zero_()
+        except Exception as exc:  # Triton present but unable to compile or launch for this device
+            self._kernels, self._slots, self._trace = None, None, None
+            self.note = f"the deadline kernels failed ({type(exc).__name__}: {str(exc)[:200]}): the first form"
 
     def cycles_per_byte(self, real_gbps: float) -> float:
         """Spin cycles per byte copied at ``real_gbps`` for the copy to take as long as on the asked link."""
@@ -269,9 +283,10 @@ class LinkPacer:
             self.paced_bytes += nbytes
             self.paced_copies += 1
             ns = min(int(nbytes * self._ns_per_byte), _MAX_NS)
-            trace, row = self._trace, self._traced
+            trace = self._trace
+            row = next(self._rows) if trace is not None else 0
             if trace is not None and row < trace.shape[0]:
-                self._traced += 1
+                self._traced = max(self._traced, row + 1)
                 self._kernels[1][(1,)](self._slots, slot, ns, trace, row, TRACE=True, num_warps=1)
             else:
                 self._kernels[1][(1,)](self._slots, slot, ns, self._slots, 0, TRACE=False, num_warps=1)
@@ -318,6 +333,7 @@ class LinkPacer:
             "link_real_gbps": self.real_gbps,
             "link_chunk_real_gbps": self.chunk_real_gbps,
             "link_pacing": self.mode,  # deadline, hold (the first form), or count (the CPU: nothing slowed)
+            "link_pacing_note": self.note,
             "link_paced": self._kernels is not None or self._cycles_per_byte > 0,  # False: real link no faster, or the CPU
             "link_paced_bytes": self.paced_bytes,
             "link_paced_copies": self.paced_copies,

@@ -24,7 +24,7 @@ from offload_core.shard import shard_checkpoint
 from offload_core_disk_helpers import flux_inputs, tiny_flux
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
 
-LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_pacing", "link_paced", "link_paced_bytes", "link_paced_copies"}
+LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_pacing", "link_pacing_note", "link_paced", "link_paced_bytes", "link_paced_copies"}
 
 
 @pytest.mark.parametrize("bad", [0, -13, math.nan, math.inf, "13", True, [13]])
@@ -226,6 +226,20 @@ def test_deadline_pacing_falls_back_to_the_first_form_without_triton_and_not_at_
     monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
     st = link.LinkPacer(25, torch.device("cuda")).stats()
     assert st["link_pacing"] == "hold" and st["link_paced"] is True
+    assert st["link_pacing_note"] == "Triton cannot be imported: the first form"
+
+    class Broken:  # Triton imports, but its kernel cannot be built for this device
+        def __getitem__(self, grid: tuple) -> object:
+            def launch(*args: object, **kw: object) -> None:
+                raise RuntimeError("PTX .version 9.9 does not support .target sm_200")
+            return launch
+
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (Broken(), Broken()))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    st = link.LinkPacer(25, torch.device("cuda")).stats()
+    assert st["link_pacing"] == "hold" and st["link_paced"] is True
+    assert st["link_pacing_note"].startswith("the deadline kernels failed (RuntimeError: PTX .version 9.9")
     monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 20.0)
     st = link.LinkPacer(25, torch.device("cuda")).stats()
     assert st["link_paced"] is False  # the real link is slower than asked: nothing to hold
