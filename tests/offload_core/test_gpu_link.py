@@ -53,3 +53,19 @@ def test_paced_copies_run_at_the_link_rate_and_stay_bitwise(store: str) -> None:
     # the rate the planner reads is the paced one; the real link was well above it
     assert abs(paced["h2d_gbps"] / link - 1) <= 0.15, (paced["h2d_gbps"], paced["link_real_gbps"])
     assert real["h2d_gbps"] > 1.5 * link, real["h2d_gbps"]
+
+
+def test_a_traced_pacer_times_each_copy_at_the_link_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OFFLOAD_LINK_TRACE: every paced copy's device times are kept, and their busy time is the bytes
+    at the asked rate (each copy lasts nbytes / rate from its stamp: none ends early)."""
+    from offload_core import link as link_mod
+
+    monkeypatch.setenv(link_mod.TRACE_ENV, "4096")
+    torch.manual_seed(0)
+    link = LINK["arena"]
+    _, st = _run(DiT(1024, 8, 8, False).requires_grad_(False), debug_link_gbps=link)
+    assert st["link_pacing"] == "deadline", st["link_pacing_note"]
+    assert st["link_trace_copies"] == st["link_paced_copies"] > 0
+    asked_ms = st["link_paced_bytes"] / (link * 1e9) * 1e3
+    assert asked_ms <= st["link_trace_busy_ms"] <= 1.15 * asked_ms, (st["link_trace_busy_ms"], asked_ms)
+    assert 0 <= st["link_trace_idle_ms"] <= st["link_trace_span_ms"]
