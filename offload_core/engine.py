@@ -486,7 +486,12 @@ class OffloadEngine:
                 self.counters.cache_hits += 1
             slot.last_use = self._tick
             if self.use_streams and slot.ready is not None:
-                self.transfer.compute_stream().wait_event(slot.ready)
+                if timed:  # a bounce store's unit not yet queued blocks this thread here (bounce.Pending)
+                    t0 = time.perf_counter()
+                    self.transfer.compute_stream().wait_event(slot.ready)
+                    self.timing.host_wait(self.schedule.cycles, (time.perf_counter() - t0) * 1e3)
+                else:
+                    self.transfer.compute_stream().wait_event(slot.ready)
             if timed:
                 # span: busy from the last use's start to this arrival; stall: waiting here for this
                 # unit's bytes. Two events a use: the arrival ends the span and starts the stall,

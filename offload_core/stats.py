@@ -192,6 +192,11 @@ class TimingLog:
         if len(self.pending) > self.backlog:
             self.resolve(block=False)
 
+    def host_wait(self, cycle: int, ms: float) -> None:
+        """Host time the engine's thread waited for a unit's copies to be queued (a bounce store's
+        ring), per cycle: ``cycle_ms[("host_wait", cycle)]``."""
+        self.cycle_ms[("host_wait", cycle)] += ms
+
     def resolve(self, block: bool = True) -> None:
         """Resolve pending pairs in the order they were added (without blocking: up to the first
         whose end has not happened yet), so a shared event is pooled again only once every pair

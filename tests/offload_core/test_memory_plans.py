@@ -523,3 +523,25 @@ def test_growth_doubles_the_ring_when_the_simulation_sees_no_gain_but_the_cycle_
     assert plan_growth(m, margin=0, measured_stall_ms=5.0) is None
     assert plan_growth(_turnaround(limit_bytes=1300 * MiB, trace=tuple(range(8)), spans=(50.0,) * 8),
                        margin=300 * MiB, measured_stall_ms=40.0) is None
+
+
+def test_a_cycles_stall_is_the_threads_wait_for_queued_copies_where_the_device_saw_less() -> None:
+    """Through a bounce store the engine's thread blocks until the ring's issuer has queued a unit; a
+    device still busy with earlier work sees no wait (5.58 ms of device stall in a 1,663.72 ms cycle at
+    the H100's link, and the ring never grew). The replanner's stall is the longer of the two."""
+    from types import SimpleNamespace
+
+    from offload_core.replan import Replanner
+    from offload_core.stats import TimingLog
+
+    timing = TimingLog(host=True)
+    timing.cycle_ms[("stall", 2)] = 5.58
+    timing.host_wait(2, 400.0)
+    timing.host_wait(2, 20.0)
+    timing.cycle_ms[("stall", 3)] = 90.0
+    timing.host_wait(3, 0.01)  # an arena's wait_event: microseconds of host time
+    r = Replanner.__new__(Replanner)
+    r.e = SimpleNamespace(timing=timing)
+    assert r.cycle_stall(2) == 420.0
+    assert r.cycle_stall(3) == 90.0
+    assert r.cycle_stall(4) == 0.0
