@@ -203,6 +203,9 @@ def run_variant(
             row["stats"] = _numeric(stats1)
             # OFFLOAD_LINK_TRACE: the copy stream's busy and idle ms (link.py), per timed step too
             traced = tuple(k for k in stats1 if k.startswith("link_trace_"))
+            if stats1.get("link_trace_dropped"):  # the trace filled up: per-step sums would be partial
+                row["link_trace_incomplete"] = True
+                traced = ()
             for key in _COUNTERS + traced:
                 if isinstance(stats1.get(key), (int, float)) and isinstance((stats0 or {}).get(key), (int, float)):
                     row[f"{key}_per_step"] = (stats1[key] - stats0[key]) / repeats

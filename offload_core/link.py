@@ -12,7 +12,8 @@ on its stream, by two one-thread kernels (Triton):
 so a copy, from the moment the stream reaches it, lasts ``nbytes / asked_rate`` or its real time
 if that is longer (a copy the host slows, a copy waiting on the host's memory bus): never less
 than the slower link would take, and not more either. Nothing is estimated: the deadline is read
-off the device's clock at the copy's start. (The first form held the stream after each copy for
+off the device's clock at the copy's start. (On an idle stream the stamp would run while the host
+still submits the copy; a short spin holds it back until the copy can begin: ``start``.) (The first form held the stream after each copy for
 ``nbytes / asked - nbytes / real`` with ``real`` the fastest probe reading: every copy slower than
 the probe made the link slower than asked; a bounce ring's 16 MiB chunks, ~2,500 a Flux step,
 ran at 22.7-23.2 where 25 GB/s was asked.) Where Triton cannot be imported, or
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -227,6 +229,9 @@ class LinkPacer:
         self._rows = itertools.count()  # the next traced copy's row (next() is atomic: two threads pace)
         self._traced = 0  # rows written so far
         self.note = ""  # why deadline pacing was not used, where it was asked for
+        self._started = [0.0] * _SLOTS  # host time each slot's start() began (its submission time)
+        self._submit_us: float | None = None  # a low quantile of start() to hold(): submitting a copy
+        self.idle_holds = 0  # stamps held back on an idle stream until the copy could begin
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
             if self.mode == "deadline" and self.real_gbps > self.gbps:
@@ -248,6 +253,7 @@ class LinkPacer:
         the planner reads fell with it. A kernel that cannot be built or run here leaves the first form."""
         device = self.device
         try:
+            self.cycles_per_us = spin_cycles_per_us(device)  # the idle stream's spin before a stamp (start)
             self._slots = torch.zeros(_SLOTS, dtype=torch.int64, device=device)
             self._ns_per_byte = 1.0 / self.gbps  # GB/s = bytes per ns
             if capacity:
@@ -269,17 +275,33 @@ class LinkPacer:
         return extra_us_per_byte * (self.cycles_per_us or 0.0)
 
     def start(self) -> int | None:
-        """Before a copy on the current stream: its start stamped on the device (deadline pacing)."""
+        """Before a copy on the current stream: its start stamped on the device (deadline pacing).
+
+        On an idle stream the stamp would run as soon as it is launched, while the host still submits
+        the copy (tens of microseconds), and the copy's deadline would absorb that: a link faster than
+        asked. There a spin a little shorter than the recent submission time (launch to ``hold``, a low
+        quantile) holds the stream first, so the stamp runs about when the copy can begin (as
+        stats.CopyClock does for the copy's timing event)."""
         if self._kernels is None:
             return None
+        t0 = time.perf_counter()
+        if self._submit_us is not None and torch.cuda.current_stream(self.device).query():
+            torch.cuda._sleep(int(0.9 * self._submit_us * (self.cycles_per_us or 0.0)))
+            self.idle_holds += 1
         slot = next(self._next) % _SLOTS
         self._kernels[0][(1,)](self._slots, slot, num_warps=1)
+        self._started[slot] = t0
         return slot
 
     def hold(self, nbytes: int, slot: int | None = None) -> None:
         """After a copy of ``nbytes`` queued on the current stream: hold the stream until the slower
         link would be done (from ``slot``'s stamp), or for its extra time reckoned from the real rate."""
         if slot is not None and self._kernels is not None:
+            us = (time.perf_counter() - self._started[slot]) * 1e6
+            if self._submit_us is None or us < self._submit_us:
+                self._submit_us = us
+            else:  # rise slowly: one slow submission (a GIL switch) does not lengthen the spin
+                self._submit_us += 0.05 * (us - self._submit_us)
             self.paced_bytes += nbytes
             self.paced_copies += 1
             ns = min(int(nbytes * self._ns_per_byte), _MAX_NS)
@@ -323,12 +345,17 @@ class LinkPacer:
             return None
         torch.cuda.synchronize(self.device)
         t = self._trace[: self._traced].cpu()
+        t = t[(t[:, 0] > 0) & (t[:, 2] > 0)]  # a row launched after the synchronize (a ring's issuer) is not written yet
         return t[:, 0], t[:, 1], t[:, 2]
 
     def stats(self) -> dict[str, Any]:
         traced = self.timeline()
         return {
             **(trace_summary(*traced) if traced is not None else {}),
+            # paced copies past the trace's rows: its sums cover the first OFFLOAD_LINK_TRACE only
+            **({"link_trace_dropped": float(max(self.paced_copies - self._trace.shape[0], 0))}
+               if self._trace is not None else {}),
+            "link_idle_holds": self.idle_holds,
             "link_gbps": self.gbps,
             "link_real_gbps": self.real_gbps,
             "link_chunk_real_gbps": self.chunk_real_gbps,

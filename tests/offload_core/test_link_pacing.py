@@ -12,6 +12,7 @@ import contextlib
 import copy
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from offload_core.shard import shard_checkpoint
 from offload_core_disk_helpers import flux_inputs, tiny_flux
 from offload_core_test_models import CASES, assert_bitwise, assert_traces_equal, infer, make_optimizer, train
 
-LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_pacing", "link_pacing_note", "link_paced", "link_paced_bytes", "link_paced_copies"}
+LINK_KEYS = {"link_gbps", "link_real_gbps", "link_chunk_real_gbps", "link_pacing", "link_pacing_note", "link_idle_holds", "link_paced", "link_paced_bytes", "link_paced_copies"}
 
 
 @pytest.mark.parametrize("bad", [0, -13, math.nan, math.inf, "13", True, [13]])
@@ -196,9 +197,11 @@ def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_tim
     monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
     monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: pytest.fail("deadline pacing never spins by cycles"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: pytest.fail("a busy stream needs no spin"))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", ())))
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: False))
     pacer = link.LinkPacer(25, torch.device("cuda"))
     # both kernels compiled at setup, and waited for: not at the first paced copy, inside its timing
     assert calls == [("stamp", (0,)), ("pace", (0, 0)), ("synchronize", ())]
@@ -270,6 +273,8 @@ def test_a_traced_pacer_keeps_its_copies_device_times_and_sums_the_copy_streams_
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, dtype=k.get("dtype")))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: False))
     pacer = link.LinkPacer(25, torch.device("cuda"))
     assert calls[1:] == [("pace", (0, 0)), ("pace-traced", (0, 0, 0))]  # both forms compiled at setup
     assert int(pacer._trace.abs().sum()) == 0, "the setup's traced launch leaves no row behind"
@@ -285,6 +290,10 @@ def test_a_traced_pacer_keeps_its_copies_device_times_and_sums_the_copy_streams_
     assert st["link_trace_idle_ms_1_3"] == pytest.approx(2.5) and st["link_trace_idle_ms_3_10"] == pytest.approx(4.5)
     assert st["link_trace_idle_ms_10_up"] == 0.0
     assert st["link_trace_copies_over_deadline"] == 0.0
+    assert st["link_trace_dropped"] == 1.0  # the fourth copy found no row left
+    pacer._trace[2] = 0  # a row launched but not run yet (a ring's issuer queues past a synchronize)
+    st = pacer.stats()
+    assert st["link_trace_copies"] == 2.0 and st["link_trace_span_ms"] == pytest.approx(3.5)
 
 
 def test_the_trace_summary_buckets_gaps_by_size_and_counts_copies_that_met_their_deadline() -> None:
@@ -311,3 +320,38 @@ def test_a_bad_trace_count_is_a_named_error(monkeypatch: pytest.MonkeyPatch, bad
     monkeypatch.setenv(link.TRACE_ENV, bad)
     with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_TRACE='.*': expected a number of copies"):
         link.LinkPacer(25, torch.device("cpu"))
+
+
+def test_on_an_idle_stream_the_stamp_waits_out_the_copys_submission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle stream runs the stamp as soon as it is launched, while the host still submits the copy: the
+    deadline would absorb that time (a link faster than asked). There a spin of 0.9 x the recent
+    submission time (start() to hold(), its low quantile) goes first; a busy stream gets none."""
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    monkeypatch.delenv(link.TRACE_ENV, raising=False)
+    calls: list = []
+    idle = [True]
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: idle[0]))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("spin", cycles)))
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    calls.clear()
+    pacer.hold(1 << 20, pacer.start())  # no submission time known yet: no spin
+    assert [c[0] for c in calls] == ["stamp", "pace"]
+    submit = pacer._submit_us
+    assert submit is not None and submit > 0
+    calls.clear()
+    slot = pacer.start()
+    assert calls[0] == ("spin", int(0.9 * submit * 1000.0)) and calls[1] == ("stamp", (slot,))
+    pacer.hold(1 << 20, slot)
+    idle[0] = False
+    calls.clear()
+    pacer.hold(1 << 20, pacer.start())
+    assert [c[0] for c in calls] == ["stamp", "pace"]  # a busy stream: the stamp waits there anyway
+    assert pacer.stats()["link_idle_holds"] == 1
