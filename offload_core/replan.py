@@ -243,7 +243,9 @@ class Replanner:
                 # kept (the memory has no other use within the margin; the allocator's retries above
                 # still send it back). Sent back, the H200's Flux-dev LoRA stayed on 3 slots in 2 of 5
                 # runs (stall 136.3 -> 138.9 ms in a 1036 ms cycle): 1010.90 ms a step against 914.48 grown.
-                e.prediction["growth_judged"] = "kept: the stall moved within one cycle's noise"
+                rose = now > was + max(0.5, self.NOISE * e.prediction.get("growth_busy_ms", 0.0))
+                e.prediction["growth_judged"] = ("kept: the stall rose, the cycle did not slow" if rose
+                                                 else "kept: the stall moved within one cycle's noise")
                 self.before = None
                 self.active = False
             elif (not self.at_edge and self.rounds < self.MAX_ROUNDS
