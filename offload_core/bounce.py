@@ -278,20 +278,15 @@ class _Ring:
                         c.wait()
                     self.wait_s += time.perf_counter() - t0
             self.check()
-            out = dst[off: off + n]
+            slot = self.start()
+            dst[off: off + n].copy_(self.bufs[b][:n], non_blocking=stream is not None)
+            self.hold(n, slot)  # an emulated slower link holds the buffer as long as that link would
+            ev = None
             if stream is not None:
-                slot = self.start()
-                out.copy_(self.bufs[b][:n], non_blocking=True)
-                self.hold(n, slot)  # an emulated slower link holds the buffer as long as that link would
                 # blocking: a fill thread waiting on it sleeps; the default event spins, and 16 spinning
                 # threads took the cores the memcpys and the engine's own thread need
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
-            else:
-                slot = self.start()
-                out.copy_(self.bufs[b][:n])
-                self.hold(n, slot)
-                ev = None
             off += n
             with c:
                 self.events[b] = ev
@@ -492,20 +487,16 @@ class _RegisterRing(_Ring):
             w = piece.window
             out = dst[piece.dst_offset: piece.dst_offset + piece.nbytes]
             src = w.tensor[piece.offset: piece.offset + piece.nbytes]
+            slot = self.start()
+            out.copy_(src, non_blocking=stream is not None)
+            self.hold(piece.nbytes, slot)
+            ev = None
             if stream is not None:
-                slot = self.start()
-                out.copy_(src, non_blocking=True)
-                self.hold(piece.nbytes, slot)
                 before = w.event
                 if before is not None:  # a copy out of this window on another stream: the new event covers it too
                     stream.wait_event(before)
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
-            else:
-                slot = self.start()
-                out.copy_(src)
-                self.hold(piece.nbytes, slot)
-                ev = None
             with self.cond:
                 w.event = ev
                 w.refs -= 1

@@ -124,10 +124,9 @@ class Parking:
             if self.pacer is None:
                 out = p.host.to(p.device, non_blocking=p.host.is_pinned())
             else:
-                with torch.cuda.device(p.device):  # stamped and held on the stream the copy is queued on
-                    slot = self.pacer.start()
-                    out = p.host.to(p.device, non_blocking=p.host.is_pinned())
-                    self.pacer.hold(out.numel() * out.element_size(), slot)
+                with torch.cuda.device(p.device):  # paced on the stream the copy is queued on
+                    out = torch.empty_like(p.host, device=p.device)  # the layout .to() gives
+                    self.pacer.copy(out, p.host)
         self._bring_back_before(p)
         return out
 
@@ -140,10 +139,10 @@ class Parking:
             with torch.cuda.stream(s):
                 s.wait_event(q.event)
                 back = torch.empty(q.host.shape, dtype=q.host.dtype, device=q.device)
-                slot = self.pacer.start() if self.pacer is not None else None
-                back.copy_(q.host, non_blocking=True)
                 if self.pacer is not None:
-                    self.pacer.hold(back.numel() * back.element_size(), slot)
+                    self.pacer.copy(back, q.host)
+                else:
+                    back.copy_(q.host, non_blocking=True)
                 q.back_event = torch.cuda.Event()
                 q.back_event.record(s)
             q.back = back

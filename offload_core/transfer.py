@@ -257,9 +257,7 @@ class Transfer:
         dst.copy_(src, non_blocking=stream is not None)
 
     def _paced_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        slot = self.pacer.start()  # on the current stream: the copy's
-        dst.copy_(src, non_blocking=stream is not None)
-        self.pacer.hold(src.numel() * src.element_size(), slot)
+        self.pacer.copy(dst, src)  # on the current stream (a card's: asynchronous, as stream is not None there)
 
     def _bounce_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self.bounce.copy(self.bounce.request(src), dst, stream)
