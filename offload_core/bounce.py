@@ -267,6 +267,7 @@ class _Ring:
         the current stream (CUDA; each buffer reused once its copy's event completes), or
         synchronously (no stream)."""
         off = 0
+        slot = None
         for i, (_, n) in enumerate(job.chunks):
             seq = job.first + i
             b = seq % self.nbuf
@@ -278,7 +279,7 @@ class _Ring:
                         c.wait()
                     self.wait_s += time.perf_counter() - t0
             self.check()
-            slot = self.start()
+            slot = self.start(slot)  # right behind the chunk before, on the same stream (link.py)
             dst[off: off + n].copy_(self.bufs[b][:n], non_blocking=stream is not None)
             self.hold(n, slot)  # an emulated slower link holds the buffer as long as that link would
             ev = None
@@ -477,6 +478,7 @@ class _RegisterRing(_Ring):
             rt.cudaHostUnregister(w.ptr)
 
     def copy(self, job: Any, dst: torch.Tensor, stream: Any) -> None:
+        slot = None
         for piece in job:
             if not piece.ready.is_set():
                 t0 = time.perf_counter()
@@ -487,7 +489,7 @@ class _RegisterRing(_Ring):
             w = piece.window
             out = dst[piece.dst_offset: piece.dst_offset + piece.nbytes]
             src = w.tensor[piece.offset: piece.offset + piece.nbytes]
-            slot = self.start()
+            slot = self.start(slot)
             out.copy_(src, non_blocking=stream is not None)
             self.hold(piece.nbytes, slot)
             ev = None
@@ -495,6 +497,7 @@ class _RegisterRing(_Ring):
                 before = w.event
                 if before is not None:  # a copy out of this window on another stream: the new event covers it too
                     stream.wait_event(before)
+                    slot = None  # a wait queued after it: the next copy is not right behind this one
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(stream)
             with self.cond:
@@ -575,7 +578,7 @@ def _spare_cpus() -> set[int] | None:
     return rest if len(rest) >= 2 else None
 
 
-def _no_start() -> None:
+def _no_start(after: Any = None) -> None:
     """The real link: nothing to stamp before a chunk's copy."""
 
 

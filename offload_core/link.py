@@ -13,7 +13,10 @@ so a copy, from the moment the stream reaches it, lasts ``nbytes / asked_rate`` 
 if that is longer (a copy the host slows, a copy waiting on the host's memory bus): never less
 than the slower link would take, and not more either. Nothing is estimated: the deadline is read
 off the device's clock at the copy's start. (On an idle stream the stamp would run while the host
-still submits the copy; a short spin holds it back until the copy can begin: ``start``.) (The first form held the stream after each copy for
+still submits the copy; a short spin holds it back until the copy can begin: ``start``. A copy queued
+right behind another while that one still runs, a bounce ring's next chunk, starts at the paced end
+of the one before, with no stamp: a real link's queue runs them back to back, where a stamp kernel
+waits for an SM.) (The first form held the stream after each copy for
 ``nbytes / asked - nbytes / real`` with ``real`` the fastest probe reading: every copy slower than
 the probe made the link slower than asked; a bounce ring's 16 MiB chunks, ~2,500 a Flux step,
 ran at 22.7-23.2 where 25 GB/s was asked.) Where Triton cannot be imported, or
@@ -104,7 +107,8 @@ def pinned_h2d_gbps(device: torch.device, nbytes: int = _PROBE_BYTES) -> float:
     return rate
 
 
-PACING_ENV = "OFFLOAD_LINK_PACING"  # "deadline" (the default where Triton imports) or "hold" (the first form)
+PACING_ENV = "OFFLOAD_LINK_PACING"  # "deadline" (the default where Triton imports), "stamp" (deadline pacing
+# with every copy stamped, none started at the one before's end: the twelfth session's form) or "hold" (the first)
 _MAX_NS = (1 << 31) - 1  # a pace's wait, at most (2.1 s): always an int32, so never a second compile
 _SLOTS = 4096  # stamps in flight: a slot is reused 4,096 copies later, long after its copy's pace ran
 
@@ -130,14 +134,15 @@ def _build() -> Any:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         tl.store(slots + slot, now)
 
-    @triton.jit(do_not_specialize=["slot", "ns", "row"])
-    def pace(slots, slot, ns, trace, row, TRACE: tl.constexpr):
-        start = tl.load(slots + slot)
+    @triton.jit(do_not_specialize=["src", "slot", "ns", "row"])
+    def pace(slots, src, slot, ns, trace, row, TRACE: tl.constexpr):
+        start = tl.load(slots + src)  # the copy's stamp (src == slot), or the paced end of the copy before it
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         copied = now
         while now < start + ns:
             now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                             pack=1)
+        tl.store(slots + slot, now)  # this copy's paced end: where a copy queued behind it starts (start(after=))
         if TRACE:  # the copy's start, when its real copy ended, when the slower link would have
             tl.store(trace + row * 3, start)
             tl.store(trace + row * 3 + 1, copied)
@@ -192,13 +197,13 @@ def _ms(x: float) -> str:
 
 
 def pacing_mode() -> str:
-    """``OFFLOAD_LINK_PACING``: "deadline" (default) or "hold"; anything else is a named error."""
+    """``OFFLOAD_LINK_PACING``: "deadline" (default), "stamp" or "hold"; anything else is a named error."""
     from .errors import OffloadConfigError
 
     raw = os.environ.get(PACING_ENV, "")
     value = raw.strip().lower() or "deadline"
-    if value not in ("deadline", "hold"):
-        raise OffloadConfigError(f"{PACING_ENV}={raw!r}: expected deadline or hold")
+    if value not in ("deadline", "stamp", "hold"):
+        raise OffloadConfigError(f"{PACING_ENV}={raw!r}: expected deadline, stamp or hold")
     return value
 
 
@@ -207,7 +212,8 @@ class LinkPacer:
 
     ``copy(dst, src)`` is the paced copy (the engine binds it in place of a plain one at setup, so
     an engine without the option runs no pacing code); a store that queues its own copies calls
-    ``slot = start()`` before one and ``hold(nbytes, slot)`` after it.
+    ``slot = start()`` before one and ``hold(nbytes, slot)`` after it (``start(after=slot)`` for a
+    copy queued right behind another on the same stream).
     """
 
     def __init__(self, gbps: float, device: torch.device) -> None:
@@ -232,9 +238,11 @@ class LinkPacer:
         self._started = [0.0] * _SLOTS  # host time each slot's start() began (its submission time)
         self._submit_us: float | None = None  # a low quantile of start() to hold(): submitting a copy
         self.idle_holds = 0  # stamps held back on an idle stream until the copy could begin
+        self._from = list(range(_SLOTS))  # per slot: where its copy's start is read (its stamp, or the copy before)
+        self.chained = 0  # copies started at the paced end of the copy before them (start(after=))
         if self.is_cuda:
             self.real_gbps = pinned_h2d_gbps(device)
-            if self.mode == "deadline" and self.real_gbps > self.gbps:
+            if self.mode in ("deadline", "stamp") and self.real_gbps > self.gbps:
                 self._kernels = _deadline_kernels()
                 if self._kernels is None:
                     self.note = "Triton cannot be imported: the first form"
@@ -261,7 +269,7 @@ class LinkPacer:
             with torch.cuda.device(device):
                 self._kernels[0][(1,)](self._slots, 0, num_warps=1)
                 for traced in (False, True) if capacity else (False,):  # an int32 wait, as every later one
-                    self._kernels[1][(1,)](self._slots, 0, 0, self._slots, 0, TRACE=traced, num_warps=1)
+                    self._kernels[1][(1,)](self._slots, 0, 0, 0, self._slots, 0, TRACE=traced, num_warps=1)
                 torch.cuda.synchronize(device)
                 if capacity:
                     self._trace.zero_()
@@ -274,8 +282,17 @@ class LinkPacer:
         extra_us_per_byte = max(0.0, 1.0 / self.gbps - 1.0 / real_gbps) / 1e3  # (s/GB) / 1e9 B * 1e6 us
         return extra_us_per_byte * (self.cycles_per_us or 0.0)
 
-    def start(self) -> int | None:
+    def start(self, after: int | None = None) -> int | None:
         """Before a copy on the current stream: its start stamped on the device (deadline pacing).
+
+        ``after``: the slot of the paced copy queued just before this one on the same stream, with
+        nothing queued between them (a bounce ring's next chunk of one unit). If the stream is still busy
+        when this copy is queued, a real link would begin it as soon as that copy ended: it starts at
+        that copy's paced end, and no stamp runs. (A stamp there is a kernel that must find an SM behind
+        compute's blocks and be launched after the pace: 10-30 us a copy of idle link that a real
+        link's queue of copies does not have, ~2,500 times a Flux-dev step through a 16 MiB ring.)
+        The race this leaves: a stream that goes idle between the check and the copy's submission
+        (tens of microseconds) has that gap counted as busy.
 
         On an idle stream the stamp would run as soon as it is launched, while the host still submits
         the copy (tens of microseconds), and the copy's deadline would absorb that: a link faster than
@@ -285,12 +302,18 @@ class LinkPacer:
         if self._kernels is None:
             return None
         t0 = time.perf_counter()
-        if self._submit_us is not None and torch.cuda.current_stream(self.device).query():
+        idle = torch.cuda.current_stream(self.device).query()
+        slot = next(self._next) % _SLOTS
+        self._started[slot] = t0
+        if after is not None and not idle and self.mode == "deadline":
+            self._from[slot] = after
+            self.chained += 1
+            return slot
+        if self._submit_us is not None and idle:
             torch.cuda._sleep(int(0.9 * self._submit_us * (self.cycles_per_us or 0.0)))
             self.idle_holds += 1
-        slot = next(self._next) % _SLOTS
+        self._from[slot] = slot
         self._kernels[0][(1,)](self._slots, slot, num_warps=1)
-        self._started[slot] = t0
         return slot
 
     def hold(self, nbytes: int, slot: int | None = None) -> None:
@@ -307,11 +330,12 @@ class LinkPacer:
             ns = min(int(nbytes * self._ns_per_byte), _MAX_NS)
             trace = self._trace
             row = next(self._rows) if trace is not None else 0
+            src = self._from[slot]
             if trace is not None and row < trace.shape[0]:
                 self._traced = max(self._traced, row + 1)
-                self._kernels[1][(1,)](self._slots, slot, ns, trace, row, TRACE=True, num_warps=1)
+                self._kernels[1][(1,)](self._slots, src, slot, ns, trace, row, TRACE=True, num_warps=1)
             else:
-                self._kernels[1][(1,)](self._slots, slot, ns, self._slots, 0, TRACE=False, num_warps=1)
+                self._kernels[1][(1,)](self._slots, src, slot, ns, self._slots, 0, TRACE=False, num_warps=1)
             return
         self._spin(nbytes, self._cycles_per_byte)
 
@@ -356,10 +380,11 @@ class LinkPacer:
             **({"link_trace_dropped": float(max(self.paced_copies - self._trace.shape[0], 0))}
                if self._trace is not None else {}),
             "link_idle_holds": self.idle_holds,
+            "link_chained_copies": self.chained,
             "link_gbps": self.gbps,
             "link_real_gbps": self.real_gbps,
             "link_chunk_real_gbps": self.chunk_real_gbps,
-            "link_pacing": self.mode,  # deadline, hold (the first form), or count (the CPU: nothing slowed)
+            "link_pacing": self.mode,  # deadline, stamp, hold (the first form), or count (the CPU: nothing slowed)
             "link_pacing_note": self.note,
             "link_paced": self._kernels is not None or self._cycles_per_byte > 0,  # False: real link no faster, or the CPU
             "link_paced_bytes": self.paced_bytes,

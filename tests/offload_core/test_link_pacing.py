@@ -175,14 +175,17 @@ class _Launch:
         def launch(*args: object, **kw: object) -> None:
             if self.name == "stamp":
                 self.calls.append(("stamp", args[1:]))
-            elif kw["TRACE"]:  # pace, recording its copy's times in row args[4] of the trace
-                self.calls.append(("pace-traced", (args[1], args[2], args[4])))
-                trace, row = args[3], args[4]
-                if isinstance(trace, torch.Tensor) and row < trace.shape[0] and args[2]:
+                return
+            src, slot, ns, trace, row = args[1:6]  # pace(slots, src, slot, ns, trace, row, TRACE=)
+            if kw["TRACE"]:  # pace, recording its copy's times in row `row` of the trace
+                self.calls.append(("pace-traced", (slot, ns, row)))
+                if isinstance(trace, torch.Tensor) and row < trace.shape[0] and ns:
                     t0 = 1_000_000 * (row + 1) ** 2  # rows start 1, 4, 9 ms in; copied in 10 us, paced to 0.5 ms
                     trace[row] = torch.tensor([t0, t0 + 10_000, t0 + 500_000])
-            else:
-                self.calls.append(("pace", args[1:3]))
+            elif src == slot:
+                self.calls.append(("pace", (slot, ns)))
+            else:  # started at the paced end of the copy in slot src
+                self.calls.append(("pace-after", (src, slot, ns)))
         return launch
 
 
@@ -254,7 +257,7 @@ def test_a_bad_pacing_switch_is_a_named_error(monkeypatch: pytest.MonkeyPatch, b
     from offload_core import link
 
     monkeypatch.setenv(link.PACING_ENV, bad)
-    with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_PACING='.*': expected deadline or hold"):
+    with pytest.raises(OffloadConfigError, match=r"^OFFLOAD_LINK_PACING='.*': expected deadline, stamp or hold"):
         link.LinkPacer(25, torch.device("cpu"))
 
 
@@ -355,3 +358,68 @@ def test_on_an_idle_stream_the_stamp_waits_out_the_copys_submission(monkeypatch:
     pacer.hold(1 << 20, pacer.start())
     assert [c[0] for c in calls] == ["stamp", "pace"]  # a busy stream: the stamp waits there anyway
     assert pacer.stats()["link_idle_holds"] == 1
+
+
+def test_a_copy_queued_behind_a_running_one_starts_at_its_paced_end_and_runs_no_stamp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """start(after=slot): a real link's queue runs a copy queued behind a running one back to back. While
+    the stream is busy, the copy's deadline counts from the paced end of the copy before it (the pace
+    reads that slot), with no stamp kernel; on an idle stream (a real gap) it is stamped as any other."""
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    monkeypatch.delenv(link.TRACE_ENV, raising=False)
+    calls: list = []
+    idle = [False]
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: idle[0]))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("spin", cycles)))
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    calls.clear()
+    a = pacer.start()
+    pacer.hold(25_000_000, a)
+    b = pacer.start(after=a)  # the stream still runs a's copy: no stamp
+    pacer.hold(25_000_000, b)
+    assert calls == [("stamp", (a,)), ("pace", (a, 1_000_000)), ("pace-after", (a, b, 1_000_000))]
+    idle[0] = True  # b's copy ended before c was queued: a real gap, stamped (after the idle spin)
+    calls.clear()
+    c = pacer.start(after=b)
+    pacer.hold(25_000_000, c)
+    assert [x[0] for x in calls] == ["spin", "stamp", "pace"] and calls[1] == ("stamp", (c,))
+    assert pacer.stats()["link_chained_copies"] == 1
+    monkeypatch.setenv(link.PACING_ENV, "stamp")  # the form before: every copy stamped
+    pacer = link.LinkPacer(25, torch.device("cuda"))
+    idle[0] = False
+    calls.clear()
+    pacer.hold(1, pacer.start(after=pacer.start()))
+    assert calls[-2:] == [("stamp", (1,)), ("pace", (1, 0))] and pacer.stats()["link_pacing"] == "stamp"
+
+
+def test_a_bounce_rings_chunks_of_one_unit_are_queued_each_behind_the_last() -> None:
+    """The ring passes each chunk's copy the slot of the chunk before it in the same unit (the first of a
+    unit follows the unit's waits: none)."""
+    from offload_core.bounce import _Ring
+
+    seen: list = []
+    slots = iter(range(100))
+
+    def start(after: object = None) -> int:
+        seen.append(after)
+        return next(slots)
+
+    ring = _Ring(4 << 20, 1 << 20, 2, torch.device("cpu"), pin=False)
+    try:
+        ring.start, ring.hold = start, lambda n, slot=None: None
+        for _ in range(2):
+            src = torch.arange(3 << 20, dtype=torch.uint8).view(-1)
+            dst = torch.empty_like(src)
+            ring.copy(ring.request(src), dst, None)
+            assert torch.equal(dst, src)
+    finally:
+        ring.close()
+    assert seen == [None, 0, 1, None, 3, 4]
