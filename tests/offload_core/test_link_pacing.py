@@ -415,11 +415,44 @@ def test_a_bounce_rings_chunks_of_one_unit_are_queued_each_behind_the_last() -> 
     ring = _Ring(4 << 20, 1 << 20, 2, torch.device("cpu"), pin=False)
     try:
         ring.start, ring.hold = start, lambda n, slot=None: None
+        want: list = []
         for _ in range(2):
             src = torch.arange(3 << 20, dtype=torch.uint8).view(-1)
             dst = torch.empty_like(src)
-            ring.copy(ring.request(src), dst, None)
+            job = ring.request(src)
+            ring.copy(job, dst, None)
             assert torch.equal(dst, src)
+            first = len(want)
+            want += [None] + list(range(first, first + len(job.chunks) - 1))
     finally:
         ring.close()
-    assert seen == [None, 0, 1, None, 3, 4]
+    assert seen == want and len(want) > 6
+
+
+def test_an_idle_rings_first_chunk_goes_in_growing_pieces_and_a_busy_rings_in_whole_chunks() -> None:
+    """A request that finds the fill threads with nothing queued (the copy stream waits for its first
+    bytes) splits its first chunk's worth in 1/16, 1/16, 1/8, 1/4, 1/2; a request queued behind others
+    is cut in whole chunks. Bytes and order are the same either way."""
+    from offload_core.bounce import _Ring
+
+    chunk = 1 << 20
+    ring = _Ring(4 * chunk, chunk, 2, torch.device("cpu"), pin=False)
+    try:
+        src = torch.arange(3 * chunk + 5, dtype=torch.uint8)
+        idle = ring.request(src)
+        sizes = [m for _, m in idle.chunks]
+        assert sizes[:5] == [chunk // 16, chunk // 16, chunk // 8, chunk // 4, chunk // 2]
+        assert sizes[5:] == [chunk, chunk, 5] and sum(sizes) == src.numel()
+        assert [a for a, _ in idle.chunks] == [src.data_ptr() + sum(sizes[:i]) for i in range(len(sizes))]
+        # 8 chunks queued for 2 threads and 4 buffers: at most 6 taken before the copies free a buffer
+        other = (torch.arange(3 * chunk + 5, dtype=torch.int64) % 251).to(torch.uint8)
+        busy = ring.request(other)
+        assert [m for _, m in busy.chunks] == [chunk, chunk, chunk, 5]
+        for job, want in ((idle, src), (busy, other)):
+            dst = torch.empty_like(want)
+            ring.copy(job, dst, None)
+            assert torch.equal(dst, want)
+        small = torch.arange(1000, dtype=torch.uint8)
+        assert [m for _, m in ring.request(small).chunks] == [1000]  # smaller than a sixteenth: one piece
+    finally:
+        ring.close()
