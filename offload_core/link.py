@@ -108,7 +108,7 @@ def pinned_h2d_gbps(device: torch.device, nbytes: int = _PROBE_BYTES) -> float:
 
 
 PACING_ENV = "OFFLOAD_LINK_PACING"  # "deadline" (the default where Triton imports), "stamp" (deadline pacing
-# with every copy stamped, none started at the one before's end: the twelfth session's form) or "hold" (the first)
+# with every copy stamped, none started at the one before's end: the form before chaining) or "hold" (the first)
 _MAX_NS = (1 << 31) - 1  # a pace's wait, at most (2.1 s): always an int32, so never a second compile
 _SLOTS = 4096  # stamps in flight: a slot is reused 4,096 copies later, long after its copy's pace ran
 

@@ -13,6 +13,7 @@ import copy
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -189,22 +190,33 @@ class _Launch:
         return launch
 
 
+def _stand_in_card(monkeypatch: pytest.MonkeyPatch, calls: list, *, idle: Callable[[], bool] = lambda: False,
+                   zeros: Callable[..., object] = lambda *a, **k: "slots",
+                   synchronize: Callable[..., None] = lambda d=None: None,
+                   sleep: Callable[[int], None] | None = None) -> Any:
+    """A card for deadline pacing, with the kernels' launches recorded in ``calls`` (_Launch), a 55 GB/s
+    probe, the current stream idle as ``idle()`` says, and each spin recorded as ("spin", cycles)."""
+    from offload_core import link
+
+    monkeypatch.delenv(link.PACING_ENV, raising=False)
+    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
+    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
+    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=idle))
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep or (lambda cycles: calls.append(("spin", cycles))))
+    return link
+
+
 def test_deadline_pacing_stamps_each_copy_and_holds_until_the_stamp_plus_its_time_on_the_link(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The default form: a stamp before the copy, and a pace that waits for stamp + nbytes / rate, each
     copy with its own slot; nothing reckoned from a probe (the chunk size changes nothing)."""
-    from offload_core import link
-
-    monkeypatch.delenv(link.PACING_ENV, raising=False)
     calls: list = []
-    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
-    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: pytest.fail("a busy stream needs no spin"))
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", ())))
-    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: False))
+    link = _stand_in_card(monkeypatch, calls, synchronize=lambda d=None: calls.append(("synchronize", ())),
+                          sleep=lambda cycles: pytest.fail("a busy stream needs no spin"))
     pacer = link.LinkPacer(25, torch.device("cuda"))
     # both kernels compiled at setup, and waited for: not at the first paced copy, inside its timing
     assert calls == [("stamp", (0,)), ("pace", (0, 0)), ("synchronize", ())]
@@ -265,19 +277,12 @@ def test_a_traced_pacer_keeps_its_copies_device_times_and_sums_the_copy_streams_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """OFFLOAD_LINK_TRACE=N: the first N paced copies record (start, real end, paced end) on the device;
     stats() sums the copy stream's busy and idle time, its idle gaps by size."""
-    from offload_core import link
+    from offload_core import link as link_mod
 
-    monkeypatch.delenv(link.PACING_ENV, raising=False)
-    monkeypatch.setenv(link.TRACE_ENV, "3")
+    monkeypatch.setenv(link_mod.TRACE_ENV, "3")
     calls: list = []
     real_zeros = torch.zeros
-    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
-    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, dtype=k.get("dtype")))
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: False))
+    link = _stand_in_card(monkeypatch, calls, zeros=lambda *a, **k: real_zeros(*a, dtype=k.get("dtype")))
     pacer = link.LinkPacer(25, torch.device("cuda"))
     assert calls[1:] == [("pace", (0, 0)), ("pace-traced", (0, 0, 0))]  # both forms compiled at setup
     assert int(pacer._trace.abs().sum()) == 0, "the setup's traced launch leaves no row behind"
@@ -329,20 +334,12 @@ def test_on_an_idle_stream_the_stamp_waits_out_the_copys_submission(monkeypatch:
     """An idle stream runs the stamp as soon as it is launched, while the host still submits the copy: the
     deadline would absorb that time (a link faster than asked). There a spin of 0.9 x the recent
     submission time (start() to hold(), its low quantile) goes first; a busy stream gets none."""
-    from offload_core import link
+    from offload_core import link as link_mod
 
-    monkeypatch.delenv(link.PACING_ENV, raising=False)
-    monkeypatch.delenv(link.TRACE_ENV, raising=False)
+    monkeypatch.delenv(link_mod.TRACE_ENV, raising=False)
     calls: list = []
     idle = [True]
-    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
-    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: idle[0]))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("spin", cycles)))
+    link = _stand_in_card(monkeypatch, calls, idle=lambda: idle[0])
     pacer = link.LinkPacer(25, torch.device("cuda"))
     calls.clear()
     pacer.hold(1 << 20, pacer.start())  # no submission time known yet: no spin
@@ -365,20 +362,12 @@ def test_a_copy_queued_behind_a_running_one_starts_at_its_paced_end_and_runs_no_
     """start(after=slot): a real link's queue runs a copy queued behind a running one back to back. While
     the stream is busy, the copy's deadline counts from the paced end of the copy before it (the pace
     reads that slot), with no stamp kernel; on an idle stream (a real gap) it is stamped as any other."""
-    from offload_core import link
+    from offload_core import link as link_mod
 
-    monkeypatch.delenv(link.PACING_ENV, raising=False)
-    monkeypatch.delenv(link.TRACE_ENV, raising=False)
+    monkeypatch.delenv(link_mod.TRACE_ENV, raising=False)
     calls: list = []
     idle = [False]
-    monkeypatch.setattr(link, "pinned_h2d_gbps", lambda device, nbytes=64 << 20: 55.0)
-    monkeypatch.setattr(link, "_deadline_kernels", lambda: (_Launch(calls, "stamp"), _Launch(calls, "pace")))
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "slots")
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(link, "spin_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(query=lambda: idle[0]))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("spin", cycles)))
+    link = _stand_in_card(monkeypatch, calls, idle=lambda: idle[0])
     pacer = link.LinkPacer(25, torch.device("cuda"))
     calls.clear()
     a = pacer.start()
