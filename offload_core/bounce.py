@@ -5,8 +5,9 @@ Windows at about half the RAM), a copy straight from pageable memory runs at 7-1
 pinned one. This store keeps the host masters in an unregistered PinnedArena and moves a unit in
 chunks through ``pinned_limit`` bytes of pinned buffers:
 
-- ``num_copy_threads`` fill threads memcpy the chunks of each requested unit into the ring, in the
-  order the engine asked for them (libc's memmove through ctypes, which releases the GIL);
+- ``num_copy_threads`` fill threads copy the chunks of each requested unit into the ring, in the
+  order the engine asked for them, with streaming (non-temporal) stores where streamcopy.py's helper
+  builds, else libc's memmove (both through ctypes, which releases the GIL);
 - one issuer thread, in that same order, waits for each chunk to be filled and queues its H2D copy
   on the copy stream, then records the unit's ``ready`` event; a chunk's buffer is filled again once
   the event after its copy has completed.
@@ -33,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import streamcopy
 from .arena import PinnedArena
 from .errors import OffloadConfigError, OffloadError
 from .hostmem import HostBuffer
@@ -136,7 +138,7 @@ class _Ring:
         self.consumed = [-1] * nbuf  # per buffer: the sequence number whose copy out of it is queued
         self.events: list[Any] = [None] * nbuf  # the event after that copy
         self.seq = 0  # the next sequence number to hand out (requests come from one thread at a time)
-        self.memmove = ctypes.memmove
+        self.memmove, self.fill_kind = _fill_copy()
         self._start(self._fill_loop, "bounce-fill", threads)
 
     def _common(self, nbuf: int, chunk: int, device: torch.device) -> None:
@@ -532,7 +534,10 @@ BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_
 
 
 BOUNCE_CORES_ENV = "OFFLOAD_BOUNCE_CORES"  # "all" (the default) or "spare" (an experiment: _spare_cpus)
-_SWITCHES = {BOUNCE_MODE_ENV: ("copy", "register"), BOUNCE_CORES_ENV: ("all", "spare")}  # the default first
+# "stream" (the default: streaming stores, streamcopy.py, where they build) or "libc" (libc's memmove)
+BOUNCE_FILL_ENV = "OFFLOAD_BOUNCE_FILL"
+_SWITCHES = {BOUNCE_MODE_ENV: ("copy", "register"), BOUNCE_CORES_ENV: ("all", "spare"),
+             BOUNCE_FILL_ENV: ("stream", "libc")}  # the default first
 
 
 def _switch(name: str) -> str:
@@ -590,6 +595,15 @@ def _spare_cpus() -> set[int] | None:
     siblings = _cpu_list(_read(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")) or {cpu}
     rest = set(os.sched_getaffinity(0)) - siblings - {cpu}
     return rest if len(rest) >= 2 else None
+
+
+def _fill_copy() -> tuple[Callable[[int, int, int], Any], str]:
+    """The fill threads' copy, and its name for stats(): streaming stores unless switched off or not
+    built here (then libc's memmove, and why)."""
+    if _switch(BOUNCE_FILL_ENV) == "libc":
+        return ctypes.memmove, f"libc ({BOUNCE_FILL_ENV}=libc)"
+    fn, why = streamcopy.load()
+    return (fn, why) if fn is not None else (ctypes.memmove, f"libc ({why})")
 
 
 def _no_start(after: Any = None) -> None:
@@ -667,6 +681,7 @@ class BounceStore:
             "bounce_threads": len(r.fillers),
             "bounce_pinned": r.pinned,
             "bounce_fill_bytes": r.fill_bytes,
+            "bounce_fill_copy": getattr(r, "fill_kind", "none (registered in place)"),
             # bytes per second of the threads' own memcpy time, summed over threads
             "bounce_fill_gbps": r.fill_bytes / r.fill_s / 1e9 if r.fill_s > 0 else 0.0,
             "bounce_wait_ms": r.wait_s * 1e3,
