@@ -1,10 +1,10 @@
 """Pageable weights to the GPU through a small pinned bounce ring: which fill and issue scheme is fastest.
 
-    python -m bench.bounce_probe [--gib 4] [--ring-mib 256] [--modes memmove,copy_,register] [--load]
+    python -m bench.bounce_probe [--gib 4] [--ring-mib 256] [--modes memmove,stream,copy_,register] [--load]
 
 Prints GB/s for: pinned H2D (the ceiling), pageable H2D (today's fallback), and the bounce ring
-at several chunk sizes and fill-thread counts, with two fill kernels (libc memmove through ctypes,
-which releases the GIL, and torch's copy_); `register` pins each chunk of the pageable source in place
+at several chunk sizes and fill-thread counts, with three fill kernels (libc memmove through ctypes,
+which releases the GIL; the engine's streaming-store copy, offload_core/streamcopy.py; torch's copy_); `register` pins each chunk of the pageable source in place
 (cudaHostRegister, at most the ring's bytes at a time) and copies from there: no host memcpy. `--load`
 runs an engine-like thread of small torch ops beside each and prints its rate against it alone.
 `--cores all,spare`: the copy threads on any CPU, or (spare) off the calling thread's core and its SMT
@@ -62,6 +62,16 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, initializer=(lambda: os.sched_setaffinity(0, CPUS)) if CPUS else None)
 
 
+def _stream_copy():
+    """The engine's streaming-store fill (offload_core/streamcopy.py); an error where it does not build."""
+    from offload_core import streamcopy
+
+    fn, why = streamcopy.load()
+    if fn is None:
+        raise SystemExit(f"--modes stream: {why}")
+    return fn
+
+
 def bounce(src: torch.Tensor, dst: torch.Tensor, ring: int, chunk: int, threads: int, kernel: str) -> float:
     nbuf = max(ring // chunk, 2)
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
@@ -81,6 +91,8 @@ def bounce(src: torch.Tensor, dst: torch.Tensor, ring: int, chunk: int, threads:
         b = bufs[i % nbuf]
         if kernel == "memmove":
             ctypes.memmove(b.data_ptr(), sp + o, m)
+        elif kernel == "stream":
+            _stream_copy()(b.data_ptr(), sp + o, m)
         else:
             b[:m].copy_(src[o: o + m])
         filled[i].set()
@@ -192,7 +204,8 @@ def main() -> None:
     ap.add_argument("--ring-mib", type=int, default=256)
     ap.add_argument("--chunks-mib", default="4,8,16,32,64")
     ap.add_argument("--threads", default="4,8,16")
-    ap.add_argument("--modes", default="memmove,copy_", help="memmove, copy_ (bounce buffers), register (pin in place)")
+    ap.add_argument("--modes", default="memmove,stream,copy_",
+                    help="memmove (libc), stream (the engine's streaming stores), copy_ (bounce buffers), register (pin in place)")
     ap.add_argument("--cores", default="all", help="all, spare, or both (all,spare): where the copy threads run")
     ap.add_argument("--load", action="store_true", help="run an engine-like thread of small torch ops beside each "
                     "config and print its rate against it alone (how much the copies slow the engine's own thread)")

@@ -8,6 +8,7 @@ A variant that cannot run a workload raises `NotApplicable` with the reason, whi
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -142,6 +143,27 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
                        planning=lambda: h.planning, micro_batches=micro_batches, accumulate=h.accumulate)
 
     return Variant(name, setup, "ours", cfg)
+
+
+def libc_fill(variant: Variant) -> Variant:
+    """The variant with the bounce ring filled by libc's memmove instead of streaming stores
+    (OFFLOAD_BOUNCE_FILL=libc while its store is made): the A/B of offload_core/streamcopy.py."""
+    setup = variant.setup
+
+    def libc(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        from offload_core import bounce
+
+        was = os.environ.get(bounce.BOUNCE_FILL_ENV)
+        os.environ[bounce.BOUNCE_FILL_ENV] = "libc"
+        try:
+            return setup(model, wl, device)
+        finally:
+            if was is None:
+                os.environ.pop(bounce.BOUNCE_FILL_ENV, None)
+            else:
+                os.environ[bounce.BOUNCE_FILL_ENV] = was
+
+    return Variant(variant.name, libc, variant.family, dict(variant.config, bounce_fill="libc"))
 
 
 def registration_fails(variant: Variant) -> Variant:
@@ -291,6 +313,8 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(ours_variant("ours-bounce-t8", pinned_limit="256MiB", num_copy_threads=8))
         # a host whose registration fails (every other setting at the default): the ring, never pageable copies
         out.append(registration_fails(ours_variant("ours-regfail")))
+        # the ring filled by libc's memmove, as before streaming stores (streamcopy.py)
+        out.append(libc_fill(ours_variant("ours-bounce-libc", pinned_limit="256MiB")))
     if wl.optimizer_offload:
         # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))
