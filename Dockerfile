@@ -22,6 +22,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN set -eu; pkgs=""; \
     python3 -c "import venv, ensurepip" 2>/dev/null || pkgs="python3 python3-venv"; \
     command -v update-ca-certificates >/dev/null || pkgs="$pkgs ca-certificates"; \
+    # a CUDA torch's Triton builds its launchers with a C compiler at run time, and so does the bounce
+    # ring's streaming-store copy (offload_core/streamcopy.py): a runtime base image has none
+    if python3 -c "import triton" 2>/dev/null && ! command -v cc >/dev/null 2>&1; then pkgs="$pkgs gcc libc6-dev"; fi; \
     if [ -n "$pkgs" ]; then \
         apt-get update -qq && apt-get install -y -qq --no-install-recommends $pkgs >/dev/null; \
         rm -rf /var/lib/apt/lists/*; \
