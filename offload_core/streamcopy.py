@@ -65,17 +65,30 @@ def _compiler() -> list[str]:
     raise _Unavailable("no C compiler (CC, cc, gcc or clang) on PATH")
 
 
+def _ours(path: Path) -> bool:
+    """A folder or file we may load code from: owned by this user and writable by no one else (the temp
+    dir's fallback folder is shared ground: another user's file there must never be loaded)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
 def _build(source: bytes) -> Path:
     digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
     name = f"stream_copy-{digest}.so"
     for d in cache_dirs():
-        if (d / name).is_file():
+        if _ours(d) and (d / name).is_file() and _ours(d / name):
             return d / name
-    cc, why = _compiler(), "no writable cache folder"
+    cc, why = _compiler(), "no writable cache folder of this user's own"
     for d in cache_dirs():
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
+            continue
+        if not _ours(d):
+            why = f"{d} is not this user's alone"
             continue
         tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}"  # then renamed: a reader never sees half a file
         try:

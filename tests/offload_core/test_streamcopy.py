@@ -140,3 +140,25 @@ def test_the_source_ships_with_the_package() -> None:
     text = (Path(streamcopy.__file__).parents[1] / "pyproject.toml").read_text()
     assert '"native/*.c"' in text, "pyproject's package-data must carry the helper's source"
     assert os.path.basename(streamcopy.SOURCE.parent) == "native"
+
+
+@needs_cc
+def test_a_helper_in_a_folder_others_can_write_is_never_loaded(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temp dir's fallback folder is shared ground: a file planted there by another user, or in a
+    folder others may write, is not loaded; the helper is built in a folder of this user's own instead."""
+    streamcopy.load()
+    good = next((fresh / "cache" / "offload-jobs" / "native").glob("stream_copy-*.so"))
+    planted = fresh / "tmp" / f"offload-jobs-native-{os.getuid()}"
+    planted.mkdir(parents=True)
+    (planted / good.name).write_bytes(b"not a library")
+    planted.chmod(0o777)
+    monkeypatch.setattr(streamcopy, "_loaded", None)
+    monkeypatch.setattr(streamcopy, "cache_dirs", lambda: [planted])
+    fn, why = streamcopy.load()
+    assert fn is None and why == f"{planted} is not this user's alone"
+    planted.chmod(0o700)
+    (planted / good.name).chmod(0o666)
+    monkeypatch.setattr(streamcopy, "_loaded", None)
+    fn, why = streamcopy.load()
+    assert why == "stream", "a file others could write is rebuilt, not loaded"
+    assert (planted / good.name).read_bytes() != b"not a library"
