@@ -330,18 +330,25 @@ def test_a_bad_trace_count_is_a_named_error(monkeypatch: pytest.MonkeyPatch, bad
         link.LinkPacer(25, torch.device("cpu"))
 
 
-def test_on_an_idle_stream_the_stamp_waits_out_the_copys_submission(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An idle stream runs the stamp as soon as it is launched, while the host still submits the copy: the
-    deadline would absorb that time (a link faster than asked). There a spin of 0.9 x the recent
-    submission time (start() to hold(), its low quantile) goes first; a busy stream gets none."""
+def _pacer_on_a_stream(monkeypatch: pytest.MonkeyPatch, *, idle: bool) -> tuple[Any, Any, list, list[bool]]:
+    """(link, a 25 GB/s pacer on the stand-in card, its recorded launches, the stream's idle flag to flip),
+    no trace; the launches of the pacer's setup cleared."""
     from offload_core import link as link_mod
 
     monkeypatch.delenv(link_mod.TRACE_ENV, raising=False)
     calls: list = []
-    idle = [True]
-    link = _stand_in_card(monkeypatch, calls, idle=lambda: idle[0])
+    flag = [idle]
+    link = _stand_in_card(monkeypatch, calls, idle=lambda: flag[0])
     pacer = link.LinkPacer(25, torch.device("cuda"))
     calls.clear()
+    return link, pacer, calls, flag
+
+
+def test_on_an_idle_stream_the_stamp_waits_out_the_copys_submission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle stream runs the stamp as soon as it is launched, while the host still submits the copy: the
+    deadline would absorb that time (a link faster than asked). There a spin of 0.9 x the recent
+    submission time (start() to hold(), its low quantile) goes first; a busy stream gets none."""
+    link, pacer, calls, idle = _pacer_on_a_stream(monkeypatch, idle=True)
     pacer.hold(1 << 20, pacer.start())  # no submission time known yet: no spin
     assert [c[0] for c in calls] == ["stamp", "pace"]
     submit = pacer._submit_us
@@ -362,14 +369,7 @@ def test_a_copy_queued_behind_a_running_one_starts_at_its_paced_end_and_runs_no_
     """start(after=slot): a real link's queue runs a copy queued behind a running one back to back. While
     the stream is busy, the copy's deadline counts from the paced end of the copy before it (the pace
     reads that slot), with no stamp kernel; on an idle stream (a real gap) it is stamped as any other."""
-    from offload_core import link as link_mod
-
-    monkeypatch.delenv(link_mod.TRACE_ENV, raising=False)
-    calls: list = []
-    idle = [False]
-    link = _stand_in_card(monkeypatch, calls, idle=lambda: idle[0])
-    pacer = link.LinkPacer(25, torch.device("cuda"))
-    calls.clear()
+    link, pacer, calls, idle = _pacer_on_a_stream(monkeypatch, idle=False)
     a = pacer.start()
     pacer.hold(25_000_000, a)
     b = pacer.start(after=a)  # the stream still runs a's copy: no stamp
