@@ -150,6 +150,8 @@ class EngineStats(TypedDict, total=False):
     # and not (the uses the engine serves from the device at a turn never reach it): the disk floor's bytes
     disk_cache_hit_bytes: int
     disk_cache_miss_bytes: int
+    disk_read_s: float  # a disk-backed store only, cumulative: wall time with a read in flight (the disk's busy time)
+    disk_cache_planned: int  # a disk-backed store only, cumulative: reads placed where the cache's plan put them
     stall_ms: float  # cumulative
     prefetch_misses: int
     planning: bool  # the engine is still measuring its first steps and choosing its ring: not its own speed yet

@@ -88,13 +88,15 @@ def _report(job: dict[str, Any], ram: int, raw_gbps: float | None = None) -> dic
     # what the disk store did in the later steps (cumulative counters: differences between rows)
     pairs = list(zip(steps, steps[1:]))  # row i+1 less row i: step i+1's own (the first step's warm-up left out)
     per_step = {k: statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs) if pairs else None
-                for k in ("disk_bytes", "disk_stall_ms", "disk_cache_hit_bytes", "disk_cache_miss_bytes")}
+                for k in ("disk_bytes", "disk_stall_ms", "disk_cache_hit_bytes", "disk_cache_miss_bytes", "disk_read_s",
+                          "disk_cache_planned")}
     used = (per_step["disk_cache_hit_bytes"] or 0) + (per_step["disk_cache_miss_bytes"] or 0)
     floor_bytes = max(0, (used or 2 * streamed) - 2 * cache)  # rows without the counters: every use reaches it
     disk_floor = floor_bytes / (gbps * 1e9) if gbps else None
     out.update({"disk_gb_per_step": per_step["disk_bytes"] / 1e9 if per_step["disk_bytes"] is not None else None,
                 "disk_floor_gb_per_step": floor_bytes / 1e9, "store_use_gb_per_step": used / 1e9,
                 "disk_stall_ms_per_step": per_step["disk_stall_ms"],
+                "disk_busy_s_per_step": per_step["disk_read_s"], "disk_planned_per_step": per_step["disk_cache_planned"],
                 "disk_cache_hit_rate": last.get("disk_cache_hit_rate"),
                 "disk_cache_capacity_bytes": last.get("disk_cache_capacity_bytes")})
     out.update({
@@ -125,7 +127,9 @@ def _print(rep: dict[str, Any]) -> None:
     if rep.get("disk_gb_per_step") is not None:
         print(f"  disk {rep['disk_gb_per_step']:.2f} GB read a step (the floor's {rep['disk_floor_gb_per_step']:.2f}), "
               f"the engine waited {rep['disk_stall_ms_per_step'] or 0:.0f} ms a step on reads; RAM cache "
-              f"{(rep['disk_cache_capacity_bytes'] or 0) / gib:.2f} GiB, hit rate {rep['disk_cache_hit_rate'] or 0:.2f}")
+              f"{(rep['disk_cache_capacity_bytes'] or 0) / gib:.2f} GiB, hit rate {rep['disk_cache_hit_rate'] or 0:.2f}; "
+              f"a read in flight {rep.get('disk_busy_s_per_step') or 0:.2f} s a step, "
+              f"{rep.get('disk_planned_per_step') or 0:.0f} reads placed by the cache's plan")
     print(f"  rows say host_store {rep['row_host_store']}; peak VRAM {(rep['vram_peak_bytes'] or 0) / gib:.2f} GiB")
     print(f"  peak host RSS {rep['rss_peak_bytes'] / gib:.2f} GiB of {rep['ram_budget_bytes'] / gib:.1f} GiB "
           f"({ {True: 'within', False: 'OVER', None: 'not judged on the CPU'}[rep['rss_within_budget']]}); by phase "

@@ -75,6 +75,7 @@ class _Core:
         self.units = {u.uid: _Unit(u, entries[u.uid]) for u in units}
         streamed = sum(entries[u.uid].read_nbytes for u in units)
         self.cache = SlabCache(min(cache_bytes, streamed), policy, pin=pin)  # never more than the model needs
+        self.cache.sizes = {u.uid: entries[u.uid].read_nbytes for u in units}
         largest = max((e.read_nbytes for e in entries.values()), default=0)
         self.n_stream = stream_slots if stream_slots is not None else num_disk_workers + 2
         self.stream = HostPool(max(self.n_stream, 1) * largest, pin=pin)
@@ -526,6 +527,9 @@ class _Core:
                 "disk_cache_moves": self.moved,  # used units copied from a staging slot into the cache, not re-read
                 "disk_cache_moved_bytes": self.moved_bytes,
                 "disk_cache_capacity_bytes": self.cache.capacity_bytes,
+                # admissions placed where the plan (a replay of the trace's cycle) put them / decided at the read
+                "disk_cache_planned": self.cache.planned,
+                "disk_cache_unplanned": self.cache.unplanned,
                 "disk_cache_used_bytes": self.cache.pool.used_bytes,
                 "disk_cache_units": sum(1 for u in self.units.values() if u.where == "cache" and not u.reading),
                 "disk_kept_bytes": sum(u.entry.nbytes for u in self.units.values() if u.kept),

@@ -18,22 +18,17 @@ import torch
 from ..hostmem import HostBuffer, trim_host_heap
 from .format import align
 
-__all__ = ["HostPool", "trim_host_heap"]
+__all__ = ["HostPool", "Runs", "trim_host_heap"]
 
 
-class HostPool:
-    """First-fit allocation of FILE_ALIGN-aligned slabs out of one host buffer."""
+class Runs:
+    """The bookkeeping of a HostPool with no memory behind it: first fit of FILE_ALIGN-aligned slabs in
+    ``nbytes``. The cache's plan (cache.py) replays a cycle of uses on one."""
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
+    def __init__(self, nbytes: int) -> None:
         self.capacity_bytes = align(nbytes)
-        self._host = HostBuffer(self.capacity_bytes, pin=pin)
-        self.buf = self._host.tensor
         self._free: list[tuple[int, int]] = [(0, self.capacity_bytes)] if self.capacity_bytes else []  # (start, end)
         self.used_bytes = 0
-
-    @property
-    def pinned(self) -> bool:
-        return self._host.pinned
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a free block of align(nbytes) bytes, or None when no free run is that long."""
@@ -77,6 +72,20 @@ class HostPool:
             a = self._free.pop(i - 1)[0]
             i -= 1
         self._free.insert(i, (a, b))
+
+
+
+class HostPool(Runs):
+    """First-fit allocation of FILE_ALIGN-aligned slabs out of one host buffer."""
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        super().__init__(nbytes)
+        self._host = HostBuffer(self.capacity_bytes, pin=pin)
+        self.buf = self._host.tensor
+
+    @property
+    def pinned(self) -> bool:
+        return self._host.pinned
 
     def slab(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buf[offset: offset + align(max(nbytes, 1))]

@@ -39,7 +39,8 @@ INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss
 # ring's fill rate, which only the bounce store has (the infer job runs through it: see _specs), and
 # the compile counts, which only offload.compile writes (tests/offload_core/test_compiled_blocks.py).
 DISK_FIELDS = {Metric.disk_gbps, Metric.disk_bytes, Metric.disk_stall_ms, Metric.disk_cache_hit_rate,
-               Metric.disk_cache_capacity_bytes, Metric.disk_cache_hit_bytes, Metric.disk_cache_miss_bytes}
+               Metric.disk_cache_capacity_bytes, Metric.disk_cache_hit_bytes, Metric.disk_cache_miss_bytes,
+               Metric.disk_read_s, Metric.disk_cache_planned}
 ENGINE_FIELDS = set(ENGINE_STATS) - DISK_FIELDS - {Metric.bounce_fill_gbps, Metric.compile_graphs,
                                      Metric.recompiles, Metric.compile_seconds, Metric.compile_cache_hits,
                                      Metric.compile_cache_misses}
