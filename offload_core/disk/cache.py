@@ -151,10 +151,13 @@ class SlabCache:
                 runs: list[tuple[int, int]] | None = None) -> int | None:
         off = self._spot(uid, align(max(nbytes, 1)), use_at, self.pool.free_runs() if runs is None else runs)
         if off is not None:
-            self.pool.alloc_at(off, nbytes)
-            t = next(self._clock)
-            self.entries[uid] = _Entry(off, nbytes, t, t, kept)
+            self._put(uid, nbytes, off, kept)
         return off
+
+    def _put(self, uid: int, nbytes: int, off: int, kept: bool = False) -> None:
+        self.pool.alloc_at(off, nbytes)
+        t = next(self._clock)
+        self.entries[uid] = _Entry(off, nbytes, t, t, kept)
 
     def _spot(self, uid: int, need: int, use_at: int, runs: list[tuple[int, int]]) -> int | None:
         """Where in the free ``runs`` uid goes: against the wall or the neighbour whose next use is nearest its own.
@@ -192,7 +195,8 @@ class SlabCache:
         """Place uid (read for its use at ``use_at``; the engine is at ``now``): (offset or None, evicted)."""
         if self.pool.capacity_bytes == 0:
             return None, []
-        plan = self.plan() if self.policy == "belady" and use_at >= 0 else None
+        # the replay's own cache has no sizes: the rank decides there
+        plan = self.plan() if self.sizes and self.policy == "belady" and use_at >= 0 else None
         if plan is not None and use_at % self.next_use.length in plan:
             off = plan[use_at % self.next_use.length]
             if off is None:
@@ -231,9 +235,7 @@ class SlabCache:
         for v in there:
             self.remove(v)
         self.evictions += len(there)
-        self.pool.alloc_at(off, nbytes)
-        t = next(self._clock)
-        self.entries[uid] = _Entry(off, nbytes, t, t)
+        self._put(uid, nbytes, off)
         return there
 
     def keep(self, uid: int, nbytes: int, busy: set[int]) -> tuple[int | None, list[int]]:

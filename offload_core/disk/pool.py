@@ -74,7 +74,6 @@ class Runs:
         self._free.insert(i, (a, b))
 
 
-
 class HostPool(Runs):
     """First-fit allocation of FILE_ALIGN-aligned slabs out of one host buffer."""
 
