@@ -152,6 +152,7 @@ class EngineStats(TypedDict, total=False):
     disk_cache_miss_bytes: int
     disk_read_s: float  # a disk-backed store only, cumulative: wall time with a read in flight (the disk's busy time)
     disk_cache_planned: int  # a disk-backed store only, cumulative: reads placed where the cache's plan put them
+    disk_cache_plan_bytes: int  # a disk-backed store only: the bytes its plan reads a cycle of the trace (0: no plan)
     stall_ms: float  # cumulative
     prefetch_misses: int
     planning: bool  # the engine is still measuring its first steps and choosing its ring: not its own speed yet

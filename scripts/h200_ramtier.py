@@ -98,6 +98,7 @@ def _report(job: dict[str, Any], ram: int, raw_gbps: float | None = None) -> dic
                 "disk_stall_ms_per_step": per_step["disk_stall_ms"],
                 "disk_busy_s_per_step": per_step["disk_read_s"], "disk_planned_per_step": per_step["disk_cache_planned"],
                 "disk_cache_hit_rate": last.get("disk_cache_hit_rate"),
+                "disk_plan_gb_per_cycle": (last.get("disk_cache_plan_bytes") or 0) / 1e9,
                 "disk_cache_capacity_bytes": last.get("disk_cache_capacity_bytes")})
     out.update({
         "steps": len(steps), "losses": [round(r["loss"], 5) for r in steps],
@@ -129,7 +130,8 @@ def _print(rep: dict[str, Any]) -> None:
               f"the engine waited {rep['disk_stall_ms_per_step'] or 0:.0f} ms a step on reads; RAM cache "
               f"{(rep['disk_cache_capacity_bytes'] or 0) / gib:.2f} GiB, hit rate {rep['disk_cache_hit_rate'] or 0:.2f}; "
               f"a read in flight {rep.get('disk_busy_s_per_step') or 0:.2f} s a step, "
-              f"{rep.get('disk_planned_per_step') or 0:.0f} reads placed by the cache's plan")
+              f"{rep.get('disk_planned_per_step') or 0:.0f} reads placed by the cache's plan, "
+              f"which reads {rep.get('disk_plan_gb_per_cycle') or 0:.2f} GB a cycle of the trace")
     print(f"  rows say host_store {rep['row_host_store']}; peak VRAM {(rep['vram_peak_bytes'] or 0) / gib:.2f} GiB")
     print(f"  peak host RSS {rep['rss_peak_bytes'] / gib:.2f} GiB of {rep['ram_budget_bytes'] / gib:.1f} GiB "
           f"({ {True: 'within', False: 'OVER', None: 'not judged on the CPU'}[rep['rss_within_budget']]}); by phase "

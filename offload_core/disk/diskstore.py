@@ -530,6 +530,9 @@ class _Core:
                 # admissions placed where the plan (a replay of the trace's cycle) put them / decided at the read
                 "disk_cache_planned": self.cache.planned,
                 "disk_cache_unplanned": self.cache.unplanned,
+                # the plan in force: a fixed set ("static") or Belady's turning one ("belady"); its reads a cycle
+                "disk_cache_plan": self.cache.plan_kind,
+                "disk_cache_plan_bytes": self.cache.plan_bytes,
                 "disk_cache_used_bytes": self.cache.pool.used_bytes,
                 "disk_cache_units": sum(1 for u in self.units.values() if u.where == "cache" and not u.reading),
                 "disk_kept_bytes": sum(u.entry.nbytes for u in self.units.values() if u.kept),

@@ -40,7 +40,7 @@ INFER_FIELDS = {Metric.step, Metric.total_steps, Metric.seconds, Metric.host_rss
 # the compile counts, which only offload.compile writes (tests/offload_core/test_compiled_blocks.py).
 DISK_FIELDS = {Metric.disk_gbps, Metric.disk_bytes, Metric.disk_stall_ms, Metric.disk_cache_hit_rate,
                Metric.disk_cache_capacity_bytes, Metric.disk_cache_hit_bytes, Metric.disk_cache_miss_bytes,
-               Metric.disk_read_s, Metric.disk_cache_planned}
+               Metric.disk_read_s, Metric.disk_cache_planned, Metric.disk_cache_plan_bytes}
 ENGINE_FIELDS = set(ENGINE_STATS) - DISK_FIELDS - {Metric.bounce_fill_gbps, Metric.compile_graphs,
                                      Metric.recompiles, Metric.compile_seconds, Metric.compile_cache_hits,
                                      Metric.compile_cache_misses}

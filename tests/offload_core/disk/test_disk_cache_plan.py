@@ -65,7 +65,13 @@ def drive(cache: SlabCache, trace: list[int], sizes: dict[int, int], staging: in
 def planned_bytes(cache: SlabCache, trace: list[int], sizes: dict[int, int]) -> int:
     plan = cache.plan()
     assert plan is not None
-    return sum(sizes[trace[p]] for p in plan)
+    assert cache.plan_bytes == sum(sizes[trace[p]] for p, off in plan.items() if off is None or cache.plan_kind == "belady")
+    return cache.plan_bytes
+
+
+def floor_bytes(trace: list[int], sizes: dict[int, int], cache: SlabCache) -> int:
+    """No policy hits more than the cache's bytes a pass (each unit is used once in each of the two)."""
+    return sum(sizes[u] for u in trace) - 2 * cache.capacity_bytes
 
 
 @pytest.mark.parametrize("staging", [0, 2, 4, 8, 16])
@@ -93,8 +99,42 @@ def test_without_the_plan_reads_far_ahead_read_more() -> None:
 def test_a_cycle_that_fits_is_all_hits_and_plans_no_reads() -> None:
     sizes, trace = flux_like()
     cache = cache_for(trace, sizes, 1.0, planned=True)
-    assert cache.plan() == {}
+    cache.plan()
+    assert cache.plan_bytes == 0
     assert drive(cache, trace, sizes, staging=4)[1:] == [0] * 4
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.47, 0.6])
+def test_the_static_set_reads_the_floor_where_the_replay_does_not(fraction: float) -> None:
+    """A forward and a backward in reverse: Belady's set turns with the passes, and its units' two
+    sizes leave room unfilled as it turns; a fixed set that fills the cache reads the floor, give or
+    take the room no set fills (less than a double block a pass)."""
+    sizes, trace = flux_like()
+    cache = cache_for(trace, sizes, fraction, planned=True)
+    replay = cache._replay()
+    assert replay is not None
+    got = drive(cache, trace, sizes, staging=8)
+    floor = floor_bytes(trace, sizes, cache)
+    assert cache.plan_kind == "static" and got[-1] == cache.plan_bytes < replay[1]
+    assert got[-1] - floor < 2 * sizes[0]
+    kept_set = {trace[p] for p, off in cache.plan().items() if off is not None}
+    assert kept_set == set(cache.entries)  # the set is what stays, every cycle
+    doubles = sorted(u for u in kept_set if u < 19)
+    assert doubles and doubles != list(range(len(doubles)))  # spread through the trace, not its first units
+
+
+def test_the_replay_is_chosen_where_it_reads_less() -> None:
+    """A trace where a unit's uses cluster: one of two phases reuses units the other never touches.
+    A fixed set must split the cache between the phases; Belady's set turns with them."""
+    sizes = {u: 4 * PAGE for u in range(8)}
+    phase_a = [0, 1, 2, 3] * 3
+    phase_b = [4, 5, 6, 7] * 3
+    trace = phase_a + phase_b
+    cache = cache_for(trace, sizes, 0.5, planned=True)
+    cache.plan()
+    assert cache.plan_kind == "belady"
+    got = drive(cache, trace, sizes, staging=0, cycles=4)
+    assert got[-1] == cache.plan_bytes < cache._static()[1]
 
 
 def test_the_plan_follows_the_trace_and_the_kept_units() -> None:
