@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .format import align
+from .format import FILE_ALIGN, align
 from .pool import HostPool, Runs
 
 __all__ = ["PLAN_MAX_USES", "POLICIES", "NextUse", "SlabCache"]
@@ -96,6 +96,7 @@ class SlabCache:
         self._plan_of: tuple | None = None  # what the plan was made for: (next_use, the kept slabs)
         self.planned = self.unplanned = 0  # admissions that followed the plan / that the rank decided
         self.plan_kind, self.plan_bytes = "", 0  # the plan in force ("static" or "belady") and its reads a cycle
+        self._home: dict[int, int] = {}  # a static plan: each unit of its set -> its offset
 
     def plan(self) -> dict[int, int | None] | None:
         """Per trace position of a use that reads its unit: its planned offset, or None (it streams).
@@ -105,12 +106,14 @@ class SlabCache:
         the one that reads fewer bytes a cycle (``plan_bytes``); the static set on a tie."""
         key = (self.next_use, tuple(sorted((v, e.offset, e.nbytes) for v, e in self.entries.items() if e.kept)))
         if self._plan_of is None or self._plan_of[0] is not key[0] or self._plan_of[1] != key[1]:
-            self._plan_of, self._plan, self.plan_kind, self.plan_bytes = key, None, "", 0
+            self._plan_of, self._plan, self.plan_kind, self.plan_bytes, self._home = key, None, "", 0, {}
             nu = self.next_use
             if self.policy == "belady" and nu.length and self.sizes and self.pool.capacity_bytes:
                 made = [m for m in (self._static(), self._replay()) if m is not None]
                 if made:
                     self._plan, self.plan_bytes, self.plan_kind = min(made, key=lambda m: m[1])
+                    if self.plan_kind == "static":
+                        self._home = {nu.trace[p]: off for p, off in self._plan.items() if off is not None}
         return self._plan
 
     def _kept_runs(self) -> Runs:
@@ -128,31 +131,46 @@ class SlabCache:
         where Belady's turning set loses what its units' two sizes leave unfilled (1.04-1.13x the floor's
         reads). The set: the most bytes of hits a cycle (a unit's bytes times its uses) that pack into
         the free runs, by a knapsack at 1/4096 of the capacity, each kind (uses, size) taken evenly
-        through the trace, so the hits do not come in one stretch the disk idles through."""
+        through the trace, so the hits do not come in one stretch the disk idles through. Units already
+        in memory are taken first, where they are (a plan made again, as skips are learned or a unit
+        becomes kept, re-reads none it can keep), unless that packs fewer bytes than a fresh choice."""
         nu = self.next_use
         kept = {v for v, e in self.entries.items() if e.kept}
         first = {uid: at[0] for uid, at in nu.at.items() if uid in self.sizes and uid not in kept}
         if len(first) > PLAN_MAX_USES:
             return None
-        runs = self._kept_runs()
-        total = sum(b - a for a, b in runs.free_runs())
+        total = sum(b - a for a, b in self._kept_runs().free_runs())
         kinds: dict[tuple[int, int], list[int]] = {}
         for uid in sorted(first, key=first.__getitem__):
             kinds.setdefault((len(nu.at[uid]), align(max(self.sizes[uid], 1))), []).append(uid)
         take = _knapsack({k: len(v) for k, v in kinds.items()}, total)
-        chosen: list[int] = []
-        for k, uids in kinds.items():
-            n = take.get(k, 0)
-            chosen += [uids[(2 * i + 1) * len(uids) // (2 * n)] for i in range(n)]
-        rest = [u for k, uids in sorted(kinds.items(), key=lambda kv: (-kv[0][0], -kv[0][1])) for u in uids
-                if u not in set(chosen)]
-        where: dict[int, int] = {}
-        for uid in sorted(chosen, key=lambda u: -align(max(self.sizes[u], 1))) + rest:  # what the runs leave, filled
-            off = runs.alloc(self.sizes[uid])
-            if off is not None:
-                where[uid] = off
-        plan = {p: where.get(uid) for uid in first for p in nu.at[uid]}
-        return plan, sum(self.sizes[nu.trace[p]] for p, off in plan.items() if off is None), "static"
+        best = None
+        for stay in (True, False):  # the units in memory where they are (no re-read when the plan is made again), or not
+            runs, where = self._kept_runs(), {}
+            chosen: list[int] = []
+            for k, uids in kinds.items():
+                here = [u for u in uids if stay and u in self.entries] if take.get(k) else []
+                here = _evenly(here, min(take.get(k, 0), len(here)))
+                for u in here:
+                    if runs.alloc_at(self.entries[u].offset, self.sizes[u]) is not None:
+                        where[u] = self.entries[u].offset
+                chosen += _evenly([u for u in uids if u not in where], take.get(k, 0) - sum(1 for u in uids if u in where))
+            taken = set(chosen)
+            rest = [u for k, uids in sorted(kinds.items(), key=lambda kv: (-kv[0][0], -kv[0][1])) for u in uids
+                    if u not in where and u not in taken]
+            rest.sort(key=lambda u: not (stay and u in self.entries))  # the knapsack's grid rounds up: residents first
+            for uid in sorted(chosen, key=lambda u: -align(max(self.sizes[u], 1))) + rest:  # what the runs leave, filled
+                off = None
+                if stay and uid in self.entries:
+                    off = runs.alloc_at(self.entries[uid].offset, self.sizes[uid])
+                off = runs.alloc(self.sizes[uid]) if off is None else off
+                if off is not None:
+                    where[uid] = off
+            plan = {p: where.get(uid) for uid in first for p in nu.at[uid]}
+            nbytes = sum(self.sizes[nu.trace[p]] for p, off in plan.items() if off is None)
+            if best is None or nbytes < best[1]:
+                best = (plan, nbytes, "static")
+        return best
 
     def _replay(self, cycles: int = 8) -> tuple[dict[int, int | None], int, str] | None:
         """Belady's decisions at each use, replayed on bookkeeping until a cycle decides as the one before."""
@@ -254,14 +272,14 @@ class SlabCache:
             if placed is not None:
                 self.planned += 1
                 return off, placed
-            if now < use_at:
+            if now < use_at or self.plan_kind == "static":
                 return None, []  # the units there are needed first: a staging slot now, the plan after its use
         if plan is not None and now < use_at and not self.pool.fits(nbytes):
             return None, []  # a use the plan serves from the cache, read all the same: evictions wait for its use
         self.unplanned += 1
         if self.pool.fits(nbytes):
             return self._insert(uid, nbytes, use_at=use_at), []
-        candidates = [v for v, e in self.entries.items() if not e.kept and v not in busy]
+        candidates = [v for v, e in self.entries.items() if not e.kept and v not in busy and not self._at_home(v)]
         if self.policy == "belady":
             mine = self.next_use.after(uid, use_at)
             later = ((v, self.next_use.after(v, now)) for v in candidates)
@@ -279,13 +297,20 @@ class SlabCache:
             return None
         there = [v for v, e in self.entries.items() if e.offset < off + need and off < e.offset + align(max(e.nbytes, 1))]
         mine = self.next_use.after(uid, use_at)
-        if any(self.entries[v].kept or v in busy or not self.next_use.after(v, now) > mine for v in there):
+        # a static plan's place is its unit's alone: a unit there that is not at its own home may go whenever idle
+        stray = self.plan_kind == "static"
+        if any(self.entries[v].kept or v in busy or not (stray and not self._at_home(v) or self.next_use.after(v, now) > mine)
+               for v in there):
             return None
         for v in there:
             self.remove(v)
         self.evictions += len(there)
         self._put(uid, nbytes, off)
         return there
+
+    def _at_home(self, uid: int) -> bool:
+        """uid is one of a static plan's set, at its planned offset (the rank never gives it up)."""
+        return uid in self._home and self.entries[uid].offset == self._home[uid]
 
     def keep(self, uid: int, nbytes: int, busy: set[int]) -> tuple[int | None, list[int]]:
         """Room for a unit that must stay (written to): evicts any unkept, idle unit; None when full of kept ones."""
@@ -354,13 +379,18 @@ class SlabCache:
         self.pool.close()
 
 
+def _evenly(items: list[int], n: int) -> list[int]:
+    """n of ``items``, spread evenly through them."""
+    return [items[(2 * i + 1) * len(items) // (2 * n)] for i in range(n)] if n > 0 else []
+
+
 def _knapsack(kinds: dict[tuple[int, int], int], capacity: int, steps: int = 4096) -> dict[tuple[int, int], int]:
     """How many units of each kind (uses, bytes) to take, of the ``kinds[k]`` there are, for the most
     uses x bytes within ``capacity``: a bounded knapsack on a grid of capacity/``steps`` (sizes rounded
     up to it, so what it takes always fits), each kind split in powers of two."""
     if capacity <= 0 or not kinds:
         return {}
-    grain = -(-capacity // steps)
+    grain = FILE_ALIGN * -(-capacity // (FILE_ALIGN * steps))  # whole pages: a small cache's grid is exact
     cells = capacity // grain
     pieces = []
     for k, n in kinds.items():

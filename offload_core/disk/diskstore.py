@@ -357,7 +357,7 @@ class _Core:
         if not self.trace.length:
             return -1
         start = max(self.pos - self.lookahead, -1)
-        q, raw = self.trace.after(uid, start), self.raw.after(uid, start)
+        q, raw = self._unseen(self.trace, uid, start), self._unseen(self.raw, uid, start)
         if raw < q:  # a use at a position learned as skipped: it is not skipped after all
             self.skip.discard(int(raw) % self.trace.length)
             self._skips_changed()
@@ -372,6 +372,26 @@ class _Core:
         self.seen.add(int(q))
         self._judge()
         return int(q)
+
+    def _unseen(self, nu: NextUse, uid: int, start: int) -> float:
+        """uid's first use after ``start`` that no acquire matched yet, where it is near enough.
+
+        A unit used on both sides of a turn (the forward's last blocks, the backward's first) is acquired
+        at its second use while its first is still in the window behind the position: matched to that
+        one again, the second use looked like one the engine served itself, was learned as skipped and
+        read again all the same, every step. A later use is taken when it lies within the lookahead
+        past the position, not counting positions learned as skipped; else the first, as before."""
+        q = nu.after(uid, start)
+        first = q
+        while q != float("inf") and int(q) in self.seen:
+            q = nu.after(uid, int(q))
+        if q == first or q == float("inf"):
+            return first
+        gap = int(q) - self.pos
+        if gap >= nu.length:
+            return first
+        skipped = sum(1 for x in range(self.pos + 1, int(q)) if x % nu.length in self.skip)
+        return q if gap <= self.lookahead + skipped else first
 
     def _judge(self) -> None:
         """Positions an acquire can no longer match (a lookahead behind) that none did are skipped.
