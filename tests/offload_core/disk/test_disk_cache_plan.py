@@ -213,3 +213,24 @@ def test_the_window_search_picks_what_a_plain_scan_picks() -> None:
                 assert sorted(evicted) == sorted(want[2]) and got is not None
                 checked += 1
     assert checked > 1000
+
+
+def test_a_unit_not_at_its_home_gives_way_to_the_static_set() -> None:
+    """A unit left in the cache from before the plan (or since replanned) sits where a unit of the fixed set
+    belongs; it is used before that unit, so Belady's rule would keep it there, and the set's unit, offered
+    again and again, would be streamed or placed by the rank, each time evicting one of its own: the stray
+    gives way whenever it is idle."""
+    sizes, trace = flux_like()
+    cache = cache_for(trace, sizes, 0.47, planned=True)
+    plan = cache.plan()
+    assert cache.plan_kind == "static"
+    home = {trace[p]: off for p, off in plan.items() if off is not None}
+    h = max(home, key=trace.index)  # the set's unit used last in the forward
+    stray = next(u for u in range(h) if u not in home and sizes[u] == sizes[h])  # used before it, not in the set
+    cache._put(stray, sizes[stray], home[h])
+    now = trace.index(stray) - 1
+    evicted = cache._at(h, sizes[h], home[h], now, trace.index(h), set())
+    assert evicted == [stray] and cache.entries[h].offset == home[h]
+    assert cache._at(stray, sizes[stray], home[h], now, trace.index(stray), set()) is None  # the set's unit stays
+    got = drive(cache, trace, sizes, staging=4, cycles=3)
+    assert got[-1] == cache.plan_bytes and all(cache.entries[u].offset == off for u, off in home.items())

@@ -237,6 +237,32 @@ def test_trace_positions_the_engine_never_asks_for_are_learned(stack: tuple) -> 
         store.close()
 
 
+@pytest.mark.parametrize("kept_at_turn", [1, 3])
+def test_a_use_at_the_turn_is_its_own_not_the_one_before_it(stack: tuple, kept_at_turn: int) -> None:
+    """A forward, then the backward in reverse, the engine keeping the last ``kept_at_turn`` units on the
+    device across the turn: the next unit is used on both sides of it, its second use while its first is
+    still in the window behind the position. Matched to the first, the second looked like a use the engine
+    served itself: it was learned as skipped and read again, every step. Each use reads once now."""
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=4)
+    try:
+        store.follow_trace([u.uid for u in units + units[::-1]])
+        asked = units + units[::-1][kept_at_turn:]
+        for _ in range(4):
+            one_pass(store, asked)
+        s = store.stats()
+        turn = units[-kept_at_turn - 1].uid
+        core = store._core
+        assert all((len(units) + kept_at_turn - 1 + i) % core.trace.length not in core.skip for i in (1, 2))
+        assert core.trace.after(turn, len(units) - 1) == len(units) + kept_at_turn  # its backward use is traced
+        assert s["disk_cache_misses"] == 4 * len(asked)  # no cache: every use a read, and only one
+        assert s["disk_reads"] + s["disk_reads_in_flight"] == s["disk_cache_misses"] + s["disk_ahead_units"] + s["disk_wasted_reads"]
+        assert s["disk_wasted_reads"] <= kept_at_turn  # the first cycle's reads for the turn's own uses, no more
+    finally:
+        store.close()
+
+
 def test_the_position_follows_a_first_use_in_mid_trace(stack: tuple) -> None:
     """plan() comes at a cycle's start, but the first unit the engine asks for may be mid-trace."""
     model, plan, index = stack
