@@ -284,8 +284,9 @@ class _Core:
                 n, direct, first = self.reader.read_unchecked(u.entry, dest)
             except ShardError as exc:
                 err = exc
-            except OSError as exc:  # anything the reader did not name: still the file's error
-                err = ShardReadError(f"{self.reader.root / u.entry.file}: cannot read unit {u.entry.name}: {exc}")
+            except Exception as exc:  # anything the reader did not name: still the file's error, never a dead worker
+                why = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+                err = ShardReadError(f"{self.reader.root / u.entry.file}: cannot read unit {u.entry.name}: {why}")
             with self.cond:
                 self._inflight -= 1
                 if self._inflight == 0:
@@ -309,6 +310,9 @@ class _Core:
                 self.reader.check_first_read(u.entry, dest, st)
             except ShardError as exc:
                 err = exc
+            except Exception as exc:  # the checker thread must live: the error goes to the unit's next acquire
+                err = ShardReadError(f"{self.reader.root / u.entry.file}: cannot check unit {u.entry.name}: "
+                                     f"{type(exc).__name__}: {exc}")
             del dest, item
             self._done(u, err, n, direct)
 

@@ -442,6 +442,32 @@ def test_a_unit_file_deleted_mid_run(tmp_path: Path, stack: tuple) -> None:
         store.close()
 
 
+@pytest.mark.parametrize("where", ["read_unchecked", "check_first_read"])
+def test_a_reader_error_of_any_kind_is_the_units_not_a_dead_worker(stack: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                                   where: str) -> None:
+    """An error the reader does not name (a bug, a MemoryError) killed the worker thread that met it: the
+    unit stayed 'reading' and its acquire waited forever. It is the unit's read error now."""
+    from offload_core.disk.read import UnitReader
+
+    model, plan, index = stack
+    units = block_units(plan)
+    real = getattr(UnitReader, where)
+
+    def broken(self: Any, entry: Any, *rest: Any) -> Any:
+        if entry.name == units[3].name:
+            raise RuntimeError("something the reader did not expect")
+        return real(self, entry, *rest)
+
+    monkeypatch.setattr(UnitReader, where, broken)
+    store = open_store(model, units, index, 0.25, num_disk_workers=2)
+    try:
+        exc = _acquire_all_in_thread(store, units, 1)
+        assert isinstance(exc, ShardReadError), exc
+        assert units[3].name in str(exc) and "RuntimeError: something the reader did not expect" in str(exc)
+    finally:
+        store.close()
+
+
 def test_close_while_reading_and_drop_without_close(stack: tuple) -> None:
     model, plan, index = stack
     units = block_units(plan)
