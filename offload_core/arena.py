@@ -77,6 +77,9 @@ class PinnedArena:
     def release(self, uid: int, after: Any = None) -> None:
         """Nothing to give back: the slab stays where it is."""
 
+    def unuse(self, uid: int) -> None:
+        """No trace followed: nothing to undo."""
+
     def master(self, uid: int) -> torch.Tensor:
         return self._slabs[uid]
 

@@ -664,6 +664,9 @@ class BounceStore:
     def release(self, uid: int, after: Any = None) -> None:
         """The ring reuses its own buffers once their copies complete: nothing to give back."""
 
+    def unuse(self, uid: int) -> None:
+        """No trace followed: nothing to undo."""
+
     def master(self, uid: int) -> torch.Tensor:
         return self.arena.master(uid)
 

@@ -543,10 +543,15 @@ class OffloadEngine:
         src = self.store.acquire(u.uid, block=urgent)
         if src is None:
             return None  # a store still fetching the bytes: prefetch it later
+        stolen = None
         if slot is None:
-            slot = self._farthest_free(u.uid) or self.ring.grow()
+            slot = self._farthest_free(u.uid)
+            stolen = slot.owner if slot is not None else None
+            slot = slot or self.ring.grow()
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1
+        if stolen is not None:
+            self.store.unuse(stolen)  # a prefetch not used yet: acquired again for the same use
         self.store.release(u.uid, self.transfer.load(u, slot, src))
         return slot
 

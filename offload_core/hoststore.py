@@ -49,6 +49,10 @@ class HostStore(Protocol):
         """The engine has finished reading the slab once ``after`` (a CUDA event on the copy stream,
         or None = now) completes."""
 
+    def unuse(self, uid: int) -> None:
+        """The engine dropped uid's copy before the use it was acquired for, and acquires it again for that
+        use (a store that follows the trace must not take the second acquire for the next use)."""
+
     def master(self, uid: int) -> torch.Tensor:
         """A writable slab for write-back (buffers) and optimizer masters; a unit written to is kept."""
 

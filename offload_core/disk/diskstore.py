@@ -361,11 +361,12 @@ class _Core:
         if not self.trace.length:
             return -1
         start = max(self.pos - self.lookahead, -1)
-        q, raw = self._unseen(self.trace, uid, start), self._unseen(self.raw, uid, start)
-        if raw < q:  # a use at a position learned as skipped: it is not skipped after all
-            self.skip.discard(int(raw) % self.trace.length)
+        q = self._unseen(uid, start)
+        if q is None:
+            q = self.raw.after(uid, start)  # every use near enough was matched already: the first, as before
+        if q != float("inf") and int(q) % self.trace.length in self.skip:
+            self.skip.discard(int(q) % self.trace.length)  # a use at a position learned as skipped: it is not
             self._skips_changed()
-            q = raw
         if q == float("inf"):
             return -1
         if q > self.pos:
@@ -377,25 +378,37 @@ class _Core:
         self._judge()
         return int(q)
 
-    def _unseen(self, nu: NextUse, uid: int, start: int) -> float:
-        """uid's first use after ``start`` that no acquire matched yet, where it is near enough.
+    def _unseen(self, uid: int, start: int) -> float | None:
+        """uid's first use after ``start`` (skipped or not) that no acquire matched yet, where it is near
+        enough; None when there is none.
 
         A unit used on both sides of a turn (the forward's last blocks, the backward's first) is acquired
         at its second use while its first is still in the window behind the position: matched to that
         one again, the second use looked like one the engine served itself, was learned as skipped and
         read again all the same, every step. A later use is taken when it lies within the lookahead
-        past the position, not counting positions learned as skipped; else the first, as before."""
+        past the position, not counting positions learned as skipped. (An acquire the engine makes again
+        for the same use, its first copy dropped before the use, is not a later use: ``unuse``.)"""
+        nu = self.raw
         q = nu.after(uid, start)
-        first = q
         while q != float("inf") and int(q) in self.seen:
             q = nu.after(uid, int(q))
-        if q == first or q == float("inf"):
-            return first
+        if q == float("inf"):
+            return None
         gap = int(q) - self.pos
+        if gap <= 0:
+            return q  # the first use, in the window behind: as before
         if gap >= nu.length:
-            return first
+            return None
         skipped = sum(1 for x in range(self.pos + 1, int(q)) if x % nu.length in self.skip)
-        return q if gap <= self.lookahead + skipped else first
+        return q if gap <= self.lookahead + skipped else None
+
+    def unuse(self, uid: int) -> None:
+        """The engine dropped uid's copy before its use (the slot went to a unit needed now); it acquires
+        uid again for the same use, which must match that use, not the unit's next one."""
+        with self.cond:
+            u = self.units.get(uid)
+            if u is not None and u.used_at >= 0:
+                self.seen.discard(u.used_at)
 
     def _judge(self) -> None:
         """Positions an acquire can no longer match (a lookahead behind) that none did are skipped.
@@ -639,6 +652,10 @@ class DiskStore:
     def release(self, uid: int, after: Any = None) -> None:
         """The engine is done with the slab once ``after`` (a CUDA event, or None: now) completes."""
         self._core.release(uid, after)
+
+    def unuse(self, uid: int) -> None:
+        """The engine dropped uid's copy before its use and acquires it again for that use."""
+        self._core.unuse(uid)
 
     def master(self, uid: int) -> torch.Tensor:
         """A writable slab that the store keeps from now on (write-back buffers, optimizer masters)."""

@@ -235,6 +235,9 @@ class SlowStore:
         self.held.discard(uid)
         self.calls.append(("release", uid))
 
+    def unuse(self, uid: int) -> None:
+        self.calls.append(("unuse", uid))
+
     def master(self, uid: int):
         return self.arena.master(uid)
 

@@ -59,10 +59,13 @@ def test_a_unit_needed_now_takes_the_slot_of_the_unit_needed_last_rather_than_gr
                 assert e._load(e.units[uid], e._keep(-1), urgent=False) is not None
     assert slots == depth + 1 and all(e.ring.lookup(uid) is not None for uid in ahead)
     now = next(uid for uid in trace if uid not in ahead)  # a unit no slot holds, needed now
+    unused: list[int] = []
+    e.store.unuse = unused.append  # the store hears that the prefetch's use is still to come
     with e.lock:
         slot = e._load(e.units[now], e._keep(now), urgent=True)
     assert e.ring.grows == 0 and len(e.ring.slots) == slots
     assert e.ring.lookup(now) is slot and e.ring.lookup(ahead[-1]) is None  # the farthest gave its slot
+    assert unused == [ahead[-1]]
     assert all(e.ring.lookup(uid) is not None for uid in ahead[:-1])
     # the evicted unit is loaded again when it is needed: the outputs stay the resident model's
     assert_bitwise(infer(case, ref, seeds=(2, 3)), infer(case, model, seeds=(2, 3)), "output")

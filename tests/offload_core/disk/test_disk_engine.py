@@ -266,7 +266,10 @@ def test_max_memory_holds_the_staging_and_a_cache_whose_hit_rate_is_its_share(st
             assert torch.equal(model(x), want)
     s = handle.stats()
     hits, misses = s["disk_cache_hits"] - s0["disk_cache_hits"], s["disk_cache_misses"] - s0["disk_cache_misses"]
-    assert hits + misses == 20 * len(blocks)  # one acquire per use: a prefetch without a slot asks for nothing
+    # one acquire per use (a prefetch without a slot asks for nothing); a call's last prefetch is the next call's
+    # first unit, acquired only if its read is done (non-blocking): a snapshot between calls falls on either side
+    # of it (CI under load: 799 and 801)
+    assert abs(hits + misses - 20 * len(blocks)) <= 1
     streamed = sum(index.units[n].read_nbytes for n in blocks)
     assert abs(s["disk_cache_capacity_bytes"] / streamed - f) <= 0.02
     assert abs(hits / (hits + misses) - f) <= 0.02, hits / (hits + misses)

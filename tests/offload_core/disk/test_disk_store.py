@@ -263,6 +263,30 @@ def test_a_use_at_the_turn_is_its_own_not_the_one_before_it(stack: tuple, kept_a
         store.close()
 
 
+def test_an_acquire_again_for_the_same_use_after_unuse_matches_that_use(stack: tuple) -> None:
+    """The engine took a prefetched unit's slot for a unit needed now and acquires the prefetch again later,
+    for the same use: after ``unuse`` that acquire is the same use, not the unit's next one at the turn;
+    without it the position would jump past the uses in between, and they would be learned as skipped."""
+    model, plan, index = stack
+    units = block_units(plan)
+    store = open_store(model, units, index, 0.0, num_disk_workers=2, stream_slots=4)
+    try:
+        store.follow_trace([u.uid for u in units + units[::-1]])
+        core = store._core
+        n = len(units)
+        one_pass(store, units[:-1])  # the forward up to its last unit
+        second_last = units[-2].uid  # used again at the backward's second position (n + 1)
+        assert core.pos == n - 2
+        store.unuse(second_last)  # its copy was dropped before its use
+        store.acquire(second_last)
+        store.release(second_last)
+        assert core.pos == n - 2 and core.units[second_last].used_at == n - 2  # the same use, no jump
+        one_pass(store, [units[-1], units[-1], units[-2]])  # the last unit, at the turn, then the backward
+        assert core.pos == n + 1 and not core.skip
+    finally:
+        store.close()
+
+
 def test_the_position_follows_a_first_use_in_mid_trace(stack: tuple) -> None:
     """plan() comes at a cycle's start, but the first unit the engine asks for may be mid-trace."""
     model, plan, index = stack
@@ -459,6 +483,8 @@ def test_a_reader_error_of_any_kind_is_the_units_not_a_dead_worker(stack: tuple,
         return real(self, entry, *rest)
 
     monkeypatch.setattr(UnitReader, where, broken)
+    from offload_core.disk import checksum
+    monkeypatch.setattr(checksum, "seen", lambda *a: False)  # the first-read check is due (not done in this process yet)
     store = open_store(model, units, index, 0.25, num_disk_workers=2)
     try:
         exc = _acquire_all_in_thread(store, units, 1)
