@@ -29,6 +29,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -484,7 +485,7 @@ class OffloadEngine:
                     self.counters.prefetch_misses += 1
             elif new_use:
                 self.counters.cache_hits += 1
-            slot.last_use = self._tick
+            slot.last_use, slot.unused = self._tick, False
             if self.use_streams and slot.ready is not None:
                 if timed:  # a bounce store's unit not yet queued blocks this thread here (bounce.Pending)
                     t0 = time.perf_counter()
@@ -534,25 +535,39 @@ class OffloadEngine:
             return None
         if self.widener.kept.get(u.uid):  # kept narrow, its bytes on the device already: widened only
             if slot is None:
-                slot = self._farthest_free(u.uid) or self.ring.grow()
+                slot = self._take_slot(u.uid)
             if self.ring.assign(slot, u.uid) is not None:
                 self.counters.cache_evictions += 1
+            slot.unused = False  # not the store's: nothing to redo there
             self.transfer.widen_kept(u, slot)
             self.counters.kept_widens += 1
             return slot
         src = self.store.acquire(u.uid, block=urgent)
         if src is None:
             return None  # a store still fetching the bytes: prefetch it later
-        stolen = None
         if slot is None:
-            slot = self._farthest_free(u.uid)
-            stolen = slot.owner if slot is not None else None
-            slot = slot or self.ring.grow()
+            slot = self._take_slot(u.uid)
         if self.ring.assign(slot, u.uid) is not None:
             self.counters.cache_evictions += 1
-        if stolen is not None:
-            self.store.unuse(stolen)  # a prefetch not used yet: acquired again for the same use
+        slot.unused = True
         self.store.release(u.uid, self.transfer.load(u, slot, src))
+        return slot
+
+    def resize_ring(self, n: int, keep: Iterable[int] = ()) -> None:
+        """The ring to n slots (replans); a prefetch dropped with its slot is acquired again for the same
+        use, and the store hears so."""
+        for uid in self.ring.resize(n, keep):
+            self.store.unuse(uid)
+
+    def _take_slot(self, uid: int) -> Slot:
+        """The farthest free slot (else a new one). A prefetch there not used since its load is acquired
+        again for the same use: the store hears so (a unit kept across a turn was used: its next acquire
+        is its next use)."""
+        slot = self._farthest_free(uid)
+        if slot is None:
+            return self.ring.grow()
+        if slot.unused and slot.owner is not None:
+            self.store.unuse(slot.owner)
         return slot
 
     def _farthest_free(self, uid: int) -> Slot | None:

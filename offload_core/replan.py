@@ -126,7 +126,7 @@ class Replanner:
             e.unkeep_unit(uid)
         for uid in sorted(plan.sticky):
             e.keep_unit(uid)
-        e.ring.resize(plan.slots, keep=e.bound_uids())
+        e.resize_ring(plan.slots, keep=e.bound_uids())
         e.schedule.depth = plan.depth
         moving = [u for u in e.streamed if u.uid not in e.ring.sticky]
         e.prediction.update(
@@ -156,7 +156,7 @@ class Replanner:
         e.schedule.depth = self.depth0
         for uid in kept:
             e.unkeep_unit(uid)
-        e.ring.resize(self.slots0, keep=set(e.schedule.upcoming(self.depth0 + 1)) | e.bound_uids())
+        e.resize_ring(self.slots0, keep=set(e.schedule.upcoming(self.depth0 + 1)) | e.bound_uids())
         self.released += 1
         e.prediction["released"] = self.released
         return ((self.restore[0] - len(e.ring.slots)) * e.ring.slot_bytes
@@ -169,7 +169,7 @@ class Replanner:
             self.restore = None
             for uid in sorted(kept):
                 e.keep_unit(uid)  # loaded again at its first use
-            e.ring.resize(slots)
+            e.resize_ring(slots)
             e.schedule.depth = depth  # the call's first prefetch (_prefetch_first) fills them
         if not self.active:
             return

@@ -12,6 +12,7 @@ at run time, so every collaborator can import it without a cycle.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class ReplanHost(Protocol):
     def unkeep_unit(self, uid: int) -> None: ...
 
     def bound_uids(self) -> set[int]: ...
+
+    def resize_ring(self, n: int, keep: Iterable[int] = ()) -> None: ...
 
     def in_call(self) -> bool: ...
 

@@ -30,6 +30,7 @@ class Slot:
     ready: object | None = None  # event on the copy stream: owner's bytes have landed
     done: list = field(default_factory=list)  # events that must pass before overwrite
     last_use: int = 0
+    unused: bool = False  # owner's copy was loaded and not used since (a prefetch)
     _typed: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -89,12 +90,14 @@ class SlotRing:
         for _ in range(k):
             self._add()
 
-    def resize(self, n: int, keep: Iterable[int] = ()) -> None:
+    def resize(self, n: int, keep: Iterable[int] = ()) -> list[int]:
         """Grow to n slots, or shrink toward n by dropping free slots (empty ones first), never one
-        whose owner is in ``keep`` or that something still references."""
+        whose owner is in ``keep`` or that something still references. Returns the owners of dropped
+        slots whose copies were not used since they were loaded (prefetches to redo)."""
+        unused: list[int] = []
         if n > len(self.slots):
             self.add_slots(n - len(self.slots))
-            return
+            return unused
         keep = set(keep)
         for s in sorted(self.slots, key=lambda s: (s.owner is not None, s.last_use)):
             if len(self.slots) <= n:
@@ -105,6 +108,9 @@ class SlotRing:
             self.by_ptr.pop(s.ptr, None)
             if s.owner is not None:
                 self.by_owner.pop(s.owner, None)
+                if s.unused:
+                    unused.append(s.owner)
+        return unused
 
     def forget(self, uid: int) -> None:
         """uid's device copy is stale: its slot holds nothing any more (a sticky slot stays uid's)."""

@@ -71,3 +71,30 @@ def test_a_unit_needed_now_takes_the_slot_of_the_unit_needed_last_rather_than_gr
     assert_bitwise(infer(case, ref, seeds=(2, 3)), infer(case, model, seeds=(2, 3)), "output")
     assert e.ring.grows == 0 and len(e.ring.slots) == slots
     h.remove()
+
+
+def test_a_prefetch_dropped_with_its_slot_at_a_replan_is_handed_back_to_the_store() -> None:
+    """A replan that shrinks the ring drops slots; a prefetch in one (loaded, not used since) is acquired again
+    for the same use, and the store hears so (a disk store would take that acquire for the unit's next use);
+    a used unit dropped is not reported."""
+    case = CASES["toy"]
+    ref = case.build("frozen")
+    model = copy.deepcopy(ref)
+    h = enable_offload(model, target_device="cpu")
+    e = h.engine
+    assert_bitwise(infer(case, ref, seeds=(0, 1)), infer(case, model, seeds=(0, 1)), "output")
+    ahead = e.schedule.upcoming(e.schedule.depth + 1)
+    with e.lock:
+        for uid in ahead:
+            if e.ring.lookup(uid) is None:
+                assert e._load(e.units[uid], e._keep(-1), urgent=False) is not None
+    prefetched = {uid for uid in ahead if e.ring.lookup(uid).unused}
+    assert prefetched
+    unused: list[int] = []
+    e.store.unuse = unused.append
+    with e.lock:
+        e.resize_ring(1)
+    assert unused and set(unused) <= prefetched
+    assert all(e.ring.lookup(uid) is None for uid in unused)
+    assert_bitwise(infer(case, ref, seeds=(2,)), infer(case, model, seeds=(2,)), "output")
+    h.remove()

@@ -266,10 +266,11 @@ def test_max_memory_holds_the_staging_and_a_cache_whose_hit_rate_is_its_share(st
             assert torch.equal(model(x), want)
     s = handle.stats()
     hits, misses = s["disk_cache_hits"] - s0["disk_cache_hits"], s["disk_cache_misses"] - s0["disk_cache_misses"]
-    # one acquire per use (a prefetch without a slot asks for nothing); a call's last prefetch is the next call's
-    # first unit, acquired only if its read is done (non-blocking): a snapshot between calls falls on either side
-    # of it (CI under load: 799 and 801)
-    assert abs(hits + misses - 20 * len(blocks)) <= 1
+    # one acquire per use (a prefetch without a slot asks for nothing); a call's last prefetches are the next
+    # call's first units (prefetch=2), acquired then only if their reads are done (non-blocking): a snapshot
+    # between calls falls on either side of them. With the fixed set (cache.py) the first units need not be
+    # cached, so whether they are ready varies: calls of 38-42 acquires were seen, 40 a call in all
+    assert abs(hits + misses - 20 * len(blocks)) <= 2
     streamed = sum(index.units[n].read_nbytes for n in blocks)
     assert abs(s["disk_cache_capacity_bytes"] / streamed - f) <= 0.02
     assert abs(hits / (hits + misses) - f) <= 0.02, hits / (hits + misses)
