@@ -47,30 +47,13 @@ class Pacer:
         return paced
 
 
-def _model(src: Path) -> Any:
-    from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src))
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
-    g = torch.Generator().manual_seed(3)
-    model.load_state_dict({n: torch.randn(p.shape, generator=g) * 0.01 for n, p in model.named_parameters()
-                           if "lora" in n}, strict=False, assign=True)
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora" in n)
-    model.enable_gradient_checkpointing()
-    return model
-
-
 def run_one(src: Path, shards: Path, plan: str, rate: float, steps: int, depth: int | None) -> dict[str, Any]:
     from offload_core import enable_offload
     from offload_core.disk import cache as cache_mod
     from offload_core.disk.format import load_index
     from offload_core.disk.integrate import max_memory_for
     from offload_core.disk.read import UnitReader
-    from offload_core_disk_helpers import flux_inputs
+    from offload_core_disk_helpers import flux_inputs, flux_lora_on_meta
 
     index = load_index(shards)
     blocks = [n for n in index.units if "blocks." in n]
@@ -81,7 +64,7 @@ def run_one(src: Path, shards: Path, plan: str, rate: float, steps: int, depth: 
         cache_mod.SlabCache.plan = lambda self: None
     UnitReader.read_unchecked = Pacer(rate).wrap(UnitReader.read_unchecked)
     try:
-        model = _model(src)
+        model = flux_lora_on_meta(src)
         extra = {"prefetch": depth} if depth else {}
         handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(shards), num_disk_workers=2,
                                 max_memory=max_memory_for(index, blocks, 0.466, 2), offload_granularity="block",

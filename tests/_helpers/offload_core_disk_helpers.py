@@ -89,3 +89,22 @@ def flux_inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
             "pooled_projections": torch.randn(1, 32, generator=g).to(dtype),
             "timestep": torch.tensor([0.5], dtype=dtype),
             "img_ids": torch.randn(64, 3, generator=g), "txt_ids": torch.zeros(12, 3)}
+
+
+def flux_lora_on_meta(src: Path) -> nn.Module:
+    """The Flux config at ``src`` on the meta device (its weights come from shards), with a rank-4 LoRA on
+    to_q/to_v (seeded) as the only trainable parameters, and gradient checkpointing: a LoRA step's model."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src))
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
+    g = torch.Generator().manual_seed(3)
+    model.load_state_dict({n: torch.randn(p.shape, generator=g) * 0.01 for n, p in model.named_parameters()
+                           if "lora" in n}, strict=False, assign=True)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    model.enable_gradient_checkpointing()
+    return model

@@ -39,24 +39,32 @@ def test_a_call_starts_with_its_first_depth_plus_one_units_loaded_or_queued() ->
 
 
 
-def test_a_unit_needed_now_takes_the_slot_of_the_unit_needed_last_rather_than_growing_the_ring() -> None:
-    """A disk store that cannot serve a prefetch in time leaves the units after it in every slot; the
-    unit then needed now takes the slot of the one the trace needs last (its prefetch is redone), so
-    the ring keeps its planned size (a grown slot, 650 MiB at Flux-dev size, took the activations'
-    memory: an 8 GiB training job on the disk tier ran out of memory at its fifth step)."""
+def _every_slot_prefetched() -> tuple:
+    """The toy model offloaded, two calls in (the trace learned), then every slot holding a unit of the
+    lookahead, prefetched as a late store allows: (case, ref, model, handle, the lookahead)."""
     case = CASES["toy"]
     ref = case.build("frozen")
     model = copy.deepcopy(ref)
     h = enable_offload(model, target_device="cpu")
     e = h.engine
     assert_bitwise(infer(case, ref, seeds=(0, 1)), infer(case, model, seeds=(0, 1)), "output")
-    depth, trace = e.schedule.depth, e.schedule.trace
-    ahead = e.schedule.upcoming(depth + 1)
-    slots = len(e.ring.slots)
-    with e.lock:  # every slot holds a unit of the lookahead (prefetched as a late store allows)
+    ahead = e.schedule.upcoming(e.schedule.depth + 1)
+    with e.lock:
         for uid in ahead:
             if e.ring.lookup(uid) is None:
                 assert e._load(e.units[uid], e._keep(-1), urgent=False) is not None
+    return case, ref, model, h, ahead
+
+
+def test_a_unit_needed_now_takes_the_slot_of_the_unit_needed_last_rather_than_growing_the_ring() -> None:
+    """A disk store that cannot serve a prefetch in time leaves the units after it in every slot; the
+    unit then needed now takes the slot of the one the trace needs last (its prefetch is redone), so
+    the ring keeps its planned size (a grown slot, 650 MiB at Flux-dev size, took the activations'
+    memory: an 8 GiB training job on the disk tier ran out of memory at its fifth step)."""
+    case, ref, model, h, ahead = _every_slot_prefetched()
+    e = h.engine
+    depth, trace = e.schedule.depth, e.schedule.trace
+    slots = len(e.ring.slots)
     assert slots == depth + 1 and all(e.ring.lookup(uid) is not None for uid in ahead)
     now = next(uid for uid in trace if uid not in ahead)  # a unit no slot holds, needed now
     unused: list[int] = []
@@ -77,17 +85,8 @@ def test_a_prefetch_dropped_with_its_slot_at_a_replan_is_handed_back_to_the_stor
     """A replan that shrinks the ring drops slots; a prefetch in one (loaded, not used since) is acquired again
     for the same use, and the store hears so (a disk store would take that acquire for the unit's next use);
     a used unit dropped is not reported."""
-    case = CASES["toy"]
-    ref = case.build("frozen")
-    model = copy.deepcopy(ref)
-    h = enable_offload(model, target_device="cpu")
+    case, ref, model, h, ahead = _every_slot_prefetched()
     e = h.engine
-    assert_bitwise(infer(case, ref, seeds=(0, 1)), infer(case, model, seeds=(0, 1)), "output")
-    ahead = e.schedule.upcoming(e.schedule.depth + 1)
-    with e.lock:
-        for uid in ahead:
-            if e.ring.lookup(uid) is None:
-                assert e._load(e.units[uid], e._keep(-1), urgent=False) is not None
     prefetched = {uid for uid in ahead if e.ring.lookup(uid).unused}
     assert prefetched
     unused: list[int] = []

@@ -13,7 +13,7 @@ from offload_core import enable_offload
 from offload_core.disk.format import load_index
 from offload_core.disk.integrate import max_memory_for
 from offload_core.shard import shard_checkpoint
-from offload_core_disk_helpers import flux_inputs, tiny_flux
+from offload_core_disk_helpers import flux_inputs, flux_lora_on_meta, tiny_flux
 
 # Flux-dev's shape, small: 19 double blocks and 38 single ones, 2.4x smaller each
 FLUX_LIKE = dict(num_layers=19, num_single_layers=38, attention_head_dim=16, num_attention_heads=4)
@@ -65,20 +65,8 @@ def test_a_checkpointed_lora_step_reads_what_belady_must(flux_shards: tuple[Path
     short for a double block, and the uses the engine serves itself at the turns kept room: it read 8-14%
     over that floor; then 1.04-1.10x, the reads made far ahead choosing among fewer idle units than a
     decision at the use does. The cache now follows a plan made by replaying the cycle: 1.00-1.01x."""
-    from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
-
     src, dst = flux_shards
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src))
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
-    g = torch.Generator().manual_seed(3)
-    model.load_state_dict({n: torch.randn(p.shape, generator=g) * 0.01 for n, p in model.named_parameters()
-                           if "lora" in n}, strict=False, assign=True)
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora" in n)
-    model.enable_gradient_checkpointing()
+    model = flux_lora_on_meta(src)
     index = load_index(dst)
     blocks = [n for n in index.units if "blocks." in n]
     handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), num_disk_workers=2,
