@@ -84,9 +84,12 @@ def _report(job: dict[str, Any], ram: int, raw_gbps: float | None = None) -> dic
     if cache is None:  # rows of an engine without the field: max_memory, an upper bound
         cache = tier.get("max_memory_bytes", 0)
     gbps = raw_gbps or last.get("disk_gbps") or 0.0
-    s_per_step = statistics.median(r["step_seconds"] for r in later)
-    # what the disk store did in the later steps (cumulative counters: differences between rows)
-    pairs = list(zip(steps, steps[1:]))  # row i+1 less row i: step i+1's own (the first step's warm-up left out)
+    # what the disk store did in the later half of the steps (cumulative counters: differences between rows;
+    # row i+1 less row i is step i+1's own). The first steps are the cache's warm-up and the plan's settling
+    # (the fixed set fills over the first cycles): a median over every step would mix them in.
+    pairs = list(zip(later, later[1:])) or list(zip(steps, steps[1:]))
+    s_per_step = statistics.median(b["step_seconds"] for _, b in pairs) if pairs else \
+        statistics.median(r["step_seconds"] for r in later)
     per_step = {k: statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs) if pairs else None
                 for k in ("disk_bytes", "disk_stall_ms", "disk_cache_hit_bytes", "disk_cache_miss_bytes", "disk_read_s",
                           "disk_cache_planned")}
