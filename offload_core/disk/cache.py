@@ -15,7 +15,7 @@ on bookkeeping alone (``Runs``: no memory), each miss admitted at its own use, u
 as the one before, and keeps per traced use the slab offset the replay gave it, or that it streams.
 A read, however early, goes to its planned offset once the units there may go (idle, used next after
 it); until then to a staging slot, and into the cache after its use (the store's move). Where there
-is no plan (no trace yet, more than PLAN_MAX_USES uses) and for a read the plan did not foresee, the
+is no plan (no trace yet, more than PLAN_MAX_USES uses and units) and for a read the plan did not foresee, the
 rank at the read decides.
 
 FIFO and LRU (``policy="fifo"`` / ``"lru"``) always admit and evict the oldest inserted or least
@@ -41,7 +41,8 @@ __all__ = ["PLAN_MAX_USES", "POLICIES", "NextUse", "SlabCache"]
 
 POLICIES = ("belady", "fifo", "lru")
 # The replay costs O(cached units) a use in Python: 0.07 s for Flux-dev's 114 block uses, 1.6 s for
-# 1,000. Longer traces (module-sized units) go without a plan.
+# 1,000: a longer trace (module-sized units) goes without it. The fixed set takes the same bound in
+# units (its knapsack and packing: about 0.4 s at 512 units of distinct sizes).
 PLAN_MAX_USES = 512
 
 
