@@ -21,6 +21,7 @@ from whichever thread: nothing waits forever on a read that will not come.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,8 @@ from .errors import ShardError, ShardReadError
 from .format import ShardIndex, SlabEntry
 from .pool import HostPool
 from .read import UnitReader
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DiskStore"]
 
@@ -98,6 +101,7 @@ class _Core:
         self.hits = self.misses = self.hit_bytes = self.miss_bytes = 0
         self.disk_bytes = self.disk_reads = self.direct_reads = self.wasted_reads = self.emergency = 0
         self.moved = self.moved_bytes = 0
+        self.move_errors = 0  # moves whose copy raised (the unit read again instead)
         self.stall_s = 0.0
         self.busy_s = 0.0
         self._inflight = 0
@@ -175,6 +179,20 @@ class _Core:
         u.move_from, u.reading = -1, False
         self.moved += 1
         self.moved_bytes += u.entry.nbytes
+
+    @staticmethod
+    def _move_copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+        dest.copy_(src)
+
+    def _move_failed(self, u: _Unit, exc: Exception) -> None:
+        """A move's copy raised: its staging slot and its cache slab go; the next acquire reads it from disk."""
+        self.stream.free(u.move_from, u.entry.read_nbytes)
+        u.move_from, u.reading = -1, False
+        self._drop(u)
+        self.move_errors += 1
+        if self.move_errors == 1:
+            log.warning("disk store: copying unit %s into the RAM cache failed (%s: %s); it is read from disk "
+                        "again at its next use", u.entry.name, type(exc).__name__, exc)
 
     def _place(self, u: _Unit, use_at: int, urgent: bool) -> bool:
         """Find memory for u's read: the cache if the policy admits it, else a staging slot."""
@@ -271,10 +289,17 @@ class _Core:
                         self._busy_since = time.perf_counter()
                     self._inflight += 1
             if src is not None:  # a used unit's bytes from its staging slot into the cache: no disk read
-                dest.copy_(src)
+                failed: Exception | None = None
+                try:
+                    self._move_copy(dest, src)
+                except Exception as exc:  # the worker must live: the unit is read from disk again at its next use
+                    failed = exc
                 del src, dest
                 with self.cond:
-                    self._moved(u)
+                    if failed is None:
+                        self._moved(u)
+                    else:
+                        self._move_failed(u, failed)
                     self._fill()
                     self.cond.notify_all()
                 continue
