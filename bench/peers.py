@@ -214,7 +214,7 @@ def registration_fails(variant: Variant) -> Variant:
             unregister()
 
         sess.teardown = teardown
-        sess.note = (sess.note + "; " if sess.note else "") + (said[0][:120] if said else "NO bounce-ring warning")
+        sess.note = (sess.note + "; " if sess.note else "") + (said[0].split(" (set pinned_limit")[0] if said else "NO bounce-ring warning")
         return sess
 
     return Variant(variant.name, failing, variant.family, dict(variant.config, registration="made to fail"))
