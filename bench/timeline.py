@@ -3,7 +3,9 @@
     python -m bench.timeline --workload p1 --set weight_dtype=float8_e4m3fn [--steps 3] [--json out.json]
 
 After warm-up it reports, per step: wall time, the host's time to enqueue the step (a step that
-takes as long to enqueue as to run is host-bound), the engine's stall and busy time, and from
+takes as long to enqueue as to run is host-bound) and the CPU time the enqueuing thread spent in it
+(near the enqueue time: the thread computed, so slower instructions slow it, as beside busy copy
+threads; far under it: the thread waited, on a lock, the GIL or the device), the engine's stall and busy time, and from
 ``torch.profiler`` the GPU time by kind of kernel and by stream (compute, copy, widening). Then the
 engine's per-unit table: copy ms, busy ms and stall ms per use. This is the evidence a missed
 target is explained with.
@@ -77,11 +79,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sync()
     stats0 = sess.stats() if not args.resident else {"h2d_bytes": 0}
     retries0 = _allocator(device)
-    walls, enqueue = [], []
+    walls, enqueue, enqueue_cpu = [], [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        enqueue_cpu.append((c1 - c0) * 1e3)
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
         enqueue.append((t1 - t0) * 1e3)
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": wl.name, "config": cfg, "device": str(device),
         "wall_ms": walls, "enqueue_ms": enqueue,
         "wall_ms_median": statistics.median(walls), "enqueue_ms_median": statistics.median(enqueue),
+        "enqueue_cpu_ms": enqueue_cpu, "enqueue_cpu_ms_median": statistics.median(enqueue_cpu),
         "stall_ms_per_step": (stats1.get("stall_ms", 0) - stats0.get("stall_ms", 0)) / args.steps,
         "h2d_gb_per_step": (stats1["h2d_bytes"] - stats0["h2d_bytes"]) / args.steps / 1e9,
         "predicted_step_ms": stats1.get("predicted_step_ms"),
@@ -147,7 +151,8 @@ def _allocator(device: torch.device) -> dict[str, int]:
 def render(out: dict[str, Any]) -> None:
     print(f"{out['workload']} {out['config']} on {out['device']}")
     print(f"  step wall {out['wall_ms_median']:.2f} ms (all: {', '.join(f'{x:.1f}' for x in out['wall_ms'])})")
-    print(f"  host enqueue {out['enqueue_ms_median']:.2f} ms per step")
+    print(f"  host enqueue {out['enqueue_ms_median']:.2f} ms per step, of it {out['enqueue_cpu_ms_median']:.2f} ms "
+          f"the thread's own CPU time")
     print(f"  engine stall {out['stall_ms_per_step']:.2f} ms/step, H2D {out['h2d_gb_per_step']:.3f} GB/step, "
           f"predicted {out['predicted_step_ms']}, measured cycle {out['measured_step_ms']}")
     print(f"  plan {out['plan']}")

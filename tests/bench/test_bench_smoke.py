@@ -131,5 +131,7 @@ def test_bench_timeline_explains_a_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert len(data["wall_ms"]) == 2 and data["h2d_gb_per_step"] >= 0
+    # the enqueuing thread's CPU time: positive, and within its wall time (CPU-only: the step runs on it)
+    assert all(0 < c <= e * 1.05 + 1 for c, e in zip(data["enqueue_cpu_ms"], data["enqueue_ms"]))
     assert data["plan"]["chosen_by"] == "measured"
     assert data["units"] and all("h2d_ms" in u for u in data["units"] if u["streamed"])
