@@ -48,15 +48,10 @@ class Pacer:
 
 
 def run_one(src: Path, shards: Path, plan: str, rate: float, steps: int, depth: int | None) -> dict[str, Any]:
-    from offload_core import enable_offload
     from offload_core.disk import cache as cache_mod
-    from offload_core.disk.format import load_index
-    from offload_core.disk.integrate import max_memory_for
     from offload_core.disk.read import UnitReader
-    from offload_core_disk_helpers import flux_inputs, flux_lora_on_meta
+    from offload_core_disk_helpers import flux_inputs, offload_flux_lora
 
-    index = load_index(shards)
-    blocks = [n for n in index.units if "blocks." in n]
     saved = (cache_mod.SlabCache._static, cache_mod.SlabCache.plan, UnitReader.read_unchecked)
     if plan == "replay":
         cache_mod.SlabCache._static = lambda self: None
@@ -64,11 +59,7 @@ def run_one(src: Path, shards: Path, plan: str, rate: float, steps: int, depth: 
         cache_mod.SlabCache.plan = lambda self: None
     UnitReader.read_unchecked = Pacer(rate).wrap(UnitReader.read_unchecked)
     try:
-        model = flux_lora_on_meta(src)
-        extra = {"prefetch": depth} if depth else {}
-        handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(shards), num_disk_workers=2,
-                                max_memory=max_memory_for(index, blocks, 0.466, 2), offload_granularity="block",
-                                disk_direct=False, **extra)
+        model, handle = offload_flux_lora(src, shards, **({"prefetch": depth} if depth else {}))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         model.train()
         rows = []

@@ -108,3 +108,19 @@ def flux_lora_on_meta(src: Path) -> nn.Module:
         p.requires_grad_("lora" in n)
     model.enable_gradient_checkpointing()
     return model
+
+
+def offload_flux_lora(src: Path, shards: Path, fraction: float = 0.466, **kw: Any) -> tuple[nn.Module, Any]:
+    """``flux_lora_on_meta(src)`` streamed on the CPU from ``shards`` by block, two disk workers, through a RAM
+    cache of ``fraction`` of the blocks' bytes (0.466: under half, as Flux-dev's 16 GiB job has): the model
+    and its handle (``kw``: more engine options)."""
+    from offload_core import enable_offload
+    from offload_core.disk.integrate import max_memory_for
+
+    model = flux_lora_on_meta(src)
+    index = load_index(shards)
+    blocks = [n for n in index.units if "blocks." in n]
+    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(shards), num_disk_workers=2,
+                            max_memory=max_memory_for(index, blocks, fraction, 2), offload_granularity="block",
+                            disk_direct=False, **kw)
+    return model, handle

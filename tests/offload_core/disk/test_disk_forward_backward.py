@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_core import enable_offload
 from offload_core.disk.format import load_index
-from offload_core.disk.integrate import max_memory_for
 from offload_core.shard import shard_checkpoint
-from offload_core_disk_helpers import flux_inputs, flux_lora_on_meta, tiny_flux
+from offload_core_disk_helpers import flux_inputs, offload_flux_lora, tiny_flux
 
 # Flux-dev's shape, small: 19 double blocks and 38 single ones, 2.4x smaller each
 FLUX_LIKE = dict(num_layers=19, num_single_layers=38, attention_head_dim=16, num_attention_heads=4)
@@ -66,12 +64,9 @@ def test_a_checkpointed_lora_step_reads_what_belady_must(flux_shards: tuple[Path
     over that floor; then 1.04-1.10x, the reads made far ahead choosing among fewer idle units than a
     decision at the use does. The cache now follows a plan made by replaying the cycle: 1.00-1.01x."""
     src, dst = flux_shards
-    model = flux_lora_on_meta(src)
+    model, handle = offload_flux_lora(src, dst)
     index = load_index(dst)
     blocks = [n for n in index.units if "blocks." in n]
-    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(dst), num_disk_workers=2,
-                            max_memory=max_memory_for(index, blocks, 0.466, 2), offload_granularity="block",
-                            disk_direct=False)
     store = handle.engine.store
     uses: list[int] = []
     acquire = store.acquire

@@ -11,11 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from offload_core import enable_offload
-from offload_core.disk.format import load_index
-from offload_core.disk.integrate import max_memory_for
 from offload_core.shard import shard_checkpoint
-from offload_core_disk_helpers import flux_inputs, flux_lora_on_meta, tiny_flux
+from offload_core_disk_helpers import flux_inputs, offload_flux_lora, tiny_flux
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +27,7 @@ def flux_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _train(src: Path, shards: Path, break_moves: bool, steps: int = 5) -> tuple[list[float], dict[str, Any], Any]:
     """LoRA steps with checkpointing from shards through a cache under half the streamed bytes (the
     read-ahead makes moves here: 3 in 5 steps when this was written); in a thread, so a hang fails."""
-    model = flux_lora_on_meta(src)
-    index = load_index(shards)
-    blocks = [n for n in index.units if "blocks." in n]
-    handle = enable_offload(model, target_device="cpu", lazy_load=True, shard_dir=str(shards), num_disk_workers=2,
-                            max_memory=max_memory_for(index, blocks, 0.466, 2), offload_granularity="block",
-                            disk_direct=False)
+    model, handle = offload_flux_lora(src, shards)
     core = handle.engine.store._core
     tried: list[int] = []
     if break_moves:
