@@ -311,6 +311,10 @@ class _Ring:
                 self.consumed[b] = seq
                 c.notify_all()
 
+    def counters(self) -> tuple[int, float, float]:
+        """Fill bytes, the fill threads' copy seconds (summed), the issuer's seconds waiting for fills."""
+        return self.fill_bytes, self.fill_s, self.wait_s
+
     def _issue_loop(self) -> None:
         try:
             while True:
@@ -531,14 +535,132 @@ class _RegisterRing(_Ring):
                 self._unregister(w, rt)
 
 
+class _NativeJob:
+    """A unit's chunks in the native ring: numbers first..first+count-1."""
+
+    __slots__ = ("first", "count")
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+
+
+class _NativeRing(_Ring):
+    """Bounce ring "native" (``OFFLOAD_BOUNCE_RING=native``): the same ring, order and chunk ramp, with the
+    chunk loop in native threads (native/bounce_ring.c). The fill threads are pthreads that never take
+    the GIL; the issuer thread stays Python for each unit's waits and widening, and hands the unit's
+    chunks to one native call (queue each copy as its fill lands, record the buffer's event), made
+    without the GIL. The Python ring takes the GIL several times a chunk in each thread, about 3,000
+    chunks a second at 50 GB/s, beside the engine's thread, which takes it back after every op."""
+
+    def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool, lib: Any) -> None:
+        nbuf = max(limit // chunk, _MIN_BUFFERS)
+        chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
+        self._common(nbuf, chunk, device)
+        self.lib = lib
+        self.handle = None
+        self.host = HostBuffer(nbuf * chunk)
+        self.pinned = self.host.pin() if pin else False
+        streaming = _switch(BOUNCE_FILL_ENV) == "stream"
+        self.fill_kind = "stream, native ring" if streaming else f"libc ({BOUNCE_FILL_ENV}=libc), native ring"
+        if self.is_cuda:
+            torch.cuda.synchronize(device)  # this thread's current context is the one the ring's threads take
+        cpus = sorted(self.cpus or ())  # OFFLOAD_BOUNCE_CORES=spare: the fill threads keep to them too
+        handle = lib.oj_ring_new(nbuf, chunk, self.host.tensor.data_ptr(), max(threads, 1), int(self.is_cuda),
+                                 int(streaming), (ctypes.c_int * max(len(cpus), 1))(*cpus), len(cpus))
+        if not handle:
+            self.host.close()
+            raise MemoryError("the native bounce ring could not be allocated")
+        if lib.oj_ring_failed(handle):
+            why = lib.oj_ring_error(handle).decode(errors="replace")
+            lib.oj_ring_close(handle)
+            self.host.close()
+            raise _NativeUnavailable(why)
+        self.handle = handle
+        self.fillers = [None] * lib.oj_ring_threads(handle)  # native: counted, not Thread objects
+        self.issuer = threading.Thread(target=self._on_cpus(self._issue_loop), name="bounce-issue", daemon=True)
+        self.threads = [self.issuer]
+        self.issuer.start()
+        self._stats = (ctypes.c_double * 3)()
+
+    def check(self) -> None:
+        if self.error is None and self.handle is not None and self.lib.oj_ring_failed(self.handle):
+            self.error = RuntimeError(self.lib.oj_ring_error(self.handle).decode(errors="replace"))
+        super().check()
+
+    def request(self, src: torch.Tensor) -> _NativeJob:
+        self.check()
+        count = ctypes.c_int64()
+        first = self.lib.oj_ring_request(self.handle, src.data_ptr(), src.numel() * src.element_size(),
+                                         ctypes.byref(count))
+        if first < 0:
+            self.check()
+            raise BounceError("bounce store: the native ring refused a request")
+        return _NativeJob(first, count.value)
+
+    def copy(self, job: _NativeJob, dst: torch.Tensor, stream: Any) -> None:
+        raw = stream.cuda_stream if stream is not None else None
+        if self.lib.oj_ring_copy(self.handle, job.first, job.count, dst.data_ptr(), raw) != 0:
+            self.check()
+            raise BounceError("bounce store: a native copy failed")
+
+    def counters(self) -> tuple[int, float, float]:
+        if self.handle is None:
+            return 0, 0.0, 0.0
+        self.lib.oj_ring_stats(self.handle, ctypes.byref(self._stats))
+        fill_bytes, fill_s, wait_s = self._stats
+        return int(fill_bytes), fill_s, wait_s
+
+    def _wake_all(self) -> None:
+        with self.idle:
+            self.idle.notify_all()
+
+    def fail_next_fill(self) -> None:
+        """A test's injected failure: the fill of the next chunk requested fails."""
+        self.lib.oj_ring_fail_at(self.handle, -1)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.issue.put(None)
+        self.lib.oj_ring_stop(self.handle)  # a copy under way returns at once
+        self._wake_all()
+        if threading.current_thread() is not self.issuer:
+            self.issuer.join(timeout=5.0)
+        if self.issuer.is_alive() and threading.current_thread() is not self.issuer:
+            return  # still inside the ring (a stuck device call): leaking it beats freeing it under a thread
+        self.lib.oj_ring_close(self.handle)  # joins the fill threads, waits for the buffers' last copies
+        self.handle = None
+        self._release()
+
+
+class _NativeUnavailable(Exception):
+    """The native ring could not start here (one line: why)."""
+
+
+def native_fill_threads() -> dict[int, str]:
+    """This process's native rings' fill threads (Linux): thread id -> name (oj-fill-N)."""
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            name = _read(f"/proc/self/task/{tid}/comm").strip()
+            if name.startswith("oj-fill-"):
+                out[int(tid)] = name
+    except OSError:
+        pass
+    return out
+
+
 BOUNCE_MODE_ENV = "OFFLOAD_BOUNCE_MODE"  # "copy" (the default) or "register" (_RegisterRing, an experiment)
 
 
 BOUNCE_CORES_ENV = "OFFLOAD_BOUNCE_CORES"  # "all" (the default) or "spare" (an experiment: _spare_cpus)
 # "stream" (the default: streaming stores, streamcopy.py, where they build) or "libc" (libc's memmove)
 BOUNCE_FILL_ENV = "OFFLOAD_BOUNCE_FILL"
+# "python" (the default: _Ring) or "native" (_NativeRing: the chunk loop in pthreads, where it builds)
+BOUNCE_RING_ENV = "OFFLOAD_BOUNCE_RING"
 _SWITCHES = {BOUNCE_MODE_ENV: ("copy", "register"), BOUNCE_CORES_ENV: ("all", "spare"),
-             BOUNCE_FILL_ENV: ("stream", "libc")}  # the default first
+             BOUNCE_FILL_ENV: ("stream", "libc"), BOUNCE_RING_ENV: ("python", "native")}  # the default first
 
 
 def _switch(name: str) -> str:
@@ -607,6 +729,24 @@ def _fill_copy() -> tuple[Callable[[int, int, int], Any], str]:
     return (fn, why) if fn is not None else (ctypes.memmove, f"libc ({why})")
 
 
+def _make_ring(limit: int, chunk: int, threads: int, device: torch.device) -> _Ring:
+    """The copy mode's ring: native where switched on and it builds and starts here, else Python's
+    (the reason in stats()["bounce_fill_copy"])."""
+    pin = device.type == "cuda"
+    why = ""
+    if _switch(BOUNCE_RING_ENV) == "native":
+        lib, why = streamcopy.load_ring()
+        if lib is not None:
+            try:
+                return _NativeRing(limit, chunk, threads, device, pin, lib)
+            except _NativeUnavailable as exc:
+                why = str(exc)
+    ring = _Ring(limit, chunk, threads, device, pin=pin)
+    if why:
+        ring.fill_kind += f" (the native ring: {why})"
+    return ring
+
+
 def _no_start(after: Any = None) -> None:
     """The real link: nothing to stamp before a chunk's copy."""
 
@@ -636,8 +776,8 @@ class BounceStore:
             self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), arena.buffers(),
                                       device, pin=device.type == "cuda")
         else:
-            self.ring = _Ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device,
-                              pin=device.type == "cuda")
+            self.ring = _make_ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device)
+        self._args = (chunk or DEFAULT_CHUNK, threads or _default_threads(), device)
         self._finalizer = weakref.finalize(self, self.ring.close)
         self._finalizer.atexit = False
 
@@ -675,6 +815,7 @@ class BounceStore:
 
     def stats(self) -> dict[str, Any]:
         r = self.ring
+        fill_bytes, fill_s, wait_s = r.counters()
         return {
             **self.arena.stats(),
             "host_store": "bounce",
@@ -684,11 +825,11 @@ class BounceStore:
             "bounce_chunk_bytes": r.chunk,
             "bounce_threads": len(r.fillers),
             "bounce_pinned": r.pinned,
-            "bounce_fill_bytes": r.fill_bytes,
+            "bounce_fill_bytes": fill_bytes,
             "bounce_fill_copy": getattr(r, "fill_kind", "none (registered in place)"),
             # bytes per second of the threads' own memcpy time, summed over threads
-            "bounce_fill_gbps": r.fill_bytes / r.fill_s / 1e9 if r.fill_s > 0 else 0.0,
-            "bounce_wait_ms": r.wait_s * 1e3,
+            "bounce_fill_gbps": fill_bytes / fill_s / 1e9 if fill_s > 0 else 0.0,
+            "bounce_wait_ms": wait_s * 1e3,
         }
 
     def close(self) -> None:
@@ -712,6 +853,15 @@ class BounceStore:
         self.ring.drain()
 
     def pace(self, pacer: Any) -> None:
-        """Pace each chunk's copy as an emulated slower link would (link.py)."""
+        """Pace each chunk's copy as an emulated slower link would (link.py). The pacer's holds are
+        torch kernels queued per chunk: a native ring gives way to the Python one (before any use)."""
+        if isinstance(self.ring, _NativeRing):
+            self._finalizer.detach()
+            self.ring.close()
+            chunk, threads, device = self._args
+            self.ring = _Ring(self.limit, chunk, threads, device, pin=device.type == "cuda")
+            self.ring.fill_kind += " (a paced link: the Python ring)"
+            self._finalizer = weakref.finalize(self, self.ring.close)
+            self._finalizer.atexit = False
         self.ring.start = pacer.start
         self.ring.hold = pacer.chunk_hold(self.ring.chunk)

@@ -28,16 +28,18 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["SOURCE", "load", "cache_dirs"]
+__all__ = ["SOURCE", "RING_SOURCE", "load", "load_ring", "cache_dirs"]
 
 log = logging.getLogger("offload_core")
 
 SOURCE = Path(__file__).parent / "native" / "stream_copy.c"
+RING_SOURCE = Path(__file__).parent / "native" / "bounce_ring.c"  # the ring's chunk loop (built with SOURCE)
 _SYMBOL = "oj_stream_copy"
 _X86_64 = {"x86_64", "amd64"}
 
 _lock = threading.Lock()
 _loaded: tuple[Callable[[int, int, int], None] | None, str] | None = None
+_ring_loaded: tuple[ctypes.CDLL | None, str] | None = None
 
 
 class _Unavailable(Exception):
@@ -75,9 +77,10 @@ def _ours(path: Path) -> bool:
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
 
 
-def _build(source: bytes) -> Path:
-    digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    name = f"stream_copy-{digest}.so"
+def _build(sources: tuple[Path, ...] = (SOURCE,), stem: str = "stream_copy", flags: tuple[str, ...] = ()) -> Path:
+    text = b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()
+    digest = hashlib.sha256(text + platform.machine().encode()).hexdigest()[:16]
+    name = f"{stem}-{digest}.so"
     for d in cache_dirs():
         if _ours(d) and (d / name).is_file() and _ours(d / name):
             return d / name
@@ -92,14 +95,14 @@ def _build(source: bytes) -> Path:
             continue
         tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}"  # then renamed: a reader never sees half a file
         try:
-            r = subprocess.run([*cc, "-O2", "-fPIC", "-shared", "-o", str(tmp), str(SOURCE)],
+            r = subprocess.run([*cc, "-O2", "-fPIC", "-shared", *flags, "-o", str(tmp), *map(str, sources)],
                                capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as exc:
             raise _Unavailable(f"{cc[0]} could not run: {exc}") from None
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
             first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
-            raise _Unavailable(f"{Path(cc[0]).name} failed on {SOURCE.name}: {first}")
+            raise _Unavailable(f"{Path(cc[0]).name} failed on {sources[-1].name}: {first}")
         try:
             os.replace(tmp, d / name)
         except OSError as exc:
@@ -126,7 +129,7 @@ def _load() -> tuple[Callable[[int, int, int], None] | None, str]:
     if platform.machine().lower() not in _X86_64:
         return None, f"streaming stores are x86-64's; this CPU is {platform.machine() or 'unknown'}"
     try:
-        lib = ctypes.CDLL(str(_build(SOURCE.read_bytes())))
+        lib = ctypes.CDLL(str(_build()))
         fn = getattr(lib, _SYMBOL)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         fn.restype = None
@@ -148,3 +151,50 @@ def load() -> tuple[Callable[[int, int, int], None] | None, str]:
             if _loaded[0] is None:
                 log.info("offload: the bounce ring fills with libc's memmove: %s", _loaded[1])
         return _loaded
+
+
+def _load_ring() -> tuple[ctypes.CDLL | None, str]:
+    fn, why = load()  # the ring copies with the checked streaming copy: built, and checked, first
+    if fn is None:
+        return None, why
+    try:
+        lib = ctypes.CDLL(str(_build((SOURCE, RING_SOURCE), "bounce_ring", ("-pthread",))))
+        lib.oj_stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.oj_stream_copy.restype = None
+        _check(lib.oj_stream_copy)
+    except _Unavailable as exc:
+        return None, str(exc)
+    except (OSError, AttributeError) as exc:
+        return None, f"the built ring would not load: {exc}"
+    p, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    sigs = {
+        "oj_ring_new": (p, [ctypes.c_int, ctypes.c_size_t, p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                            ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        "oj_ring_request": (i64, [p, u64, u64, ctypes.POINTER(i64)]),
+        "oj_ring_copy": (ctypes.c_int, [p, i64, i64, u64, p]),
+        "oj_ring_failed": (ctypes.c_int, [p]),
+        "oj_ring_error": (ctypes.c_char_p, [p]),
+        "oj_ring_fail_at": (None, [p, i64]),
+        "oj_ring_stats": (None, [p, ctypes.POINTER(ctypes.c_double * 3)]),
+        "oj_ring_threads": (ctypes.c_int, [p]),
+        "oj_ring_stop": (None, [p]),
+        "oj_ring_close": (None, [p]),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    return lib, "native"
+
+
+def load_ring() -> tuple[ctypes.CDLL | None, str]:
+    """(the native ring's library, "native"), or (None, why not): the bounce ring's chunk loop in
+    pthreads (native/bounce_ring.c), built with the streaming copy. Once per process."""
+    global _ring_loaded
+    if _ring_loaded is None:
+        got = _load_ring()  # outside the lock, which load() takes (two first callers build alike)
+        with _lock:
+            if _ring_loaded is None:
+                _ring_loaded = got
+                if got[0] is None:
+                    log.info("offload: the bounce ring runs its chunk loop in Python threads: %s", got[1])
+    return _ring_loaded

@@ -2,7 +2,9 @@
 
 On the CPU the same ring, threads and chunk order run with synchronous copies: results are
 compared bitwise with resident runs on the tricky trees, with a ring of a few 4 KiB buffers so
-every unit is several chunks and every buffer is reused many times per pass.
+every unit is several chunks and every buffer is reused many times per pass. Every test runs
+with both rings: the Python one and the native one (``OFFLOAD_BOUNCE_RING=native``: the chunk
+loop in pthreads, native/bounce_ring.c), where a C compiler builds it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 import offload_core.bounce as bounce
-from offload_core import OffloadConfigError, enable_offload
+from offload_core import OffloadConfigError, enable_offload, streamcopy
 from offload_core.bounce import BounceError
 from offload_core_test_models import CASES, TREES, assert_bitwise, assert_traces_equal, infer, make_optimizer, reference, train
 
@@ -30,8 +32,18 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
 
 
-def _bounce_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("bounce-")]
+@pytest.fixture(autouse=True, params=["python", "native"])
+def ring_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native" and streamcopy.load_ring()[0] is None:
+        pytest.skip(f"the native ring does not build here: {streamcopy.load_ring()[1]}")
+    monkeypatch.setenv(bounce.BOUNCE_RING_ENV, request.param)
+    return request.param
+
+
+def _bounce_threads() -> list[str]:
+    """The rings' threads alive in this process: Python's by name, the native ring's from /proc."""
+    names = [t.name for t in threading.enumerate() if t.name.startswith("bounce-")]
+    return names + list(bounce.native_fill_threads().values())
 
 
 def _mlp(n: int = 6) -> nn.Module:
@@ -48,6 +60,9 @@ def test_inference_through_the_ring_matches_resident(name: str) -> None:
     h = enable_offload(b, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT, num_copy_threads=3)
     st = h.stats()
     assert st["host_store"] == "bounce", st["host_store"]
+    native = os.environ[bounce.BOUNCE_RING_ENV] == "native"
+    assert isinstance(h.engine.store.ring, bounce._NativeRing) == native
+    assert st["bounce_fill_copy"] == ("stream, native ring" if native else "stream")
     got = infer(case, b)
     assert_bitwise(ref, got, f"{name} output")
     st = h.stats()
@@ -132,7 +147,7 @@ def test_threads_end_on_remove_and_when_the_engine_is_dropped() -> None:
     assert len(_bounce_threads()) == before
 
 
-def test_a_failing_fill_thread_is_a_named_error_at_the_next_use() -> None:
+def test_a_failing_fill_thread_is_a_named_error_at_the_next_use(ring_kind: str) -> None:
     m = _mlp()
     x = torch.randn(2, 64)
     h = enable_offload(m, target_device="cpu", offload_granularity="block", pinned_limit=LIMIT)
@@ -142,8 +157,13 @@ def test_a_failing_fill_thread_is_a_named_error_at_the_next_use() -> None:
     def broken(dst: int, src: int, n: int) -> None:
         raise OSError("the copy failed")
 
-    ring.memmove = broken
-    with pytest.raises(BounceError, match="fill thread bounce-fill-.*OSError: the copy failed"):
+    if ring_kind == "native":  # a pthread: its failure is injected in the C loop, and named the same way
+        ring.fail_next_fill()
+        match = "fill thread failed: an injected failure"
+    else:
+        ring.memmove = broken
+        match = "fill thread bounce-fill-.*OSError: the copy failed"
+    with pytest.raises(BounceError, match=match):
         for _ in range(4):  # within a pass: every unit is loaded anew each pass
             m(x)
     with pytest.raises(BounceError):
@@ -229,10 +249,14 @@ def test_spare_cores_leave_out_the_calling_threads_core_and_its_siblings(monkeyp
     assert bounce._spare_cpus() is None, "fewer than two CPUs left: any CPU"
 
 
-def test_the_copy_threads_run_on_the_spare_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_copy_threads_run_on_the_spare_cpus(monkeypatch: pytest.MonkeyPatch, ring_kind: str) -> None:
     cpus = {max(os.sched_getaffinity(0))}
     monkeypatch.setattr(bounce, "_spare_cpus", lambda: cpus)
+    before = set(bounce.native_fill_threads())
     m, x, _, h = _mlp_through_the_ring(2)  # bitwise through the ring
     ring = h.engine.store.ring
-    assert len(ring.threads) == 2 and all(os.sched_getaffinity(t.native_id) == cpus for t in ring.threads)
+    ids = [t.native_id for t in ring.threads]
+    if ring_kind == "native":
+        ids += [tid for tid in bounce.native_fill_threads() if tid not in before]
+    assert len(ids) == 2 and all(os.sched_getaffinity(tid) == cpus for tid in ids)
     h.remove()

@@ -2,7 +2,9 @@
 
 Outputs and LoRA training losses under ``pinned_limit`` equal the resident model's bit for bit
 (bf16, and fp8 storage widened on the device by the issuer thread), every unit spans several
-chunks of the ring, and the threads end with ``remove()``.
+chunks of the ring, and the threads end with ``remove()``; with the Python ring and the native one
+(``OFFLOAD_BOUNCE_RING=native``: the fills in pthreads, each chunk's copy queued through the driver
+API on the engine's copy stream).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import offload_core.bounce as bounce
-from offload_core import enable_offload
+from offload_core import enable_offload, streamcopy
 from offload_core.quant import fake_quantize
 from offload_core_test_models import CASES, DiT, add_dit_lora
 
@@ -29,8 +31,16 @@ def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
 
 
+@pytest.fixture(autouse=True, params=["python", "native"])
+def ring_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native" and streamcopy.load_ring()[0] is None:
+        pytest.skip(f"the native ring does not build here: {streamcopy.load_ring()[1]}")
+    monkeypatch.setenv(bounce.BOUNCE_RING_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("ckpt", [False, True], ids=["no_ckpt", "ckpt"])
-def test_lora_training_through_the_ring_is_bitwise(ckpt: bool) -> None:
+def test_lora_training_through_the_ring_is_bitwise(ckpt: bool, ring_kind: str) -> None:
     from offload_core import OffloadTrainingManager
 
     torch.manual_seed(0)
@@ -40,6 +50,7 @@ def test_lora_training_through_the_ring_is_bitwise(ckpt: bool) -> None:
     ref.to(CUDA)
     mgr = OffloadTrainingManager(off, CUDA, offload_granularity="block", pinned_limit="256KiB")
     assert mgr.stats()["host_store"] == "bounce"
+    assert mgr.stats()["bounce_fill_copy"].endswith("native ring") == (ring_kind == "native")
     opt_r = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
     opt_o = torch.optim.AdamW([p for p in off.parameters() if p.requires_grad], lr=1e-3)
     for step in range(10):
@@ -82,3 +93,4 @@ def test_inference_through_the_ring_is_bitwise(weight_dtype: str | None) -> None
     assert st["bounce_pinned"] is True and st["bounce_fill_bytes"] >= st["h2d_bytes"] > 2 * st["bounce_ring_bytes"]
     h.remove()
     assert not [t for t in threading.enumerate() if t.name.startswith("bounce-")]
+    assert not bounce.native_fill_threads()
