@@ -32,11 +32,11 @@ __all__ = ["main"]
 ALL_VARIANTS = [
     "resident", "resident-repeat", "ours-seed", "ours", "ours-pf2", "ours-tuned", "ours-budget50", "ours-budget7g",
     "ours-phase", "ours-fp8", "ours-fp8-keep-widened", "ours-fp8-tensor", "ours-fp8-block", "resident-compile", "ours-compile",
-    "ours-fp8-compile", "ours-bounce", "ours-bounce-t8", "ours-regfail", "ours-bounce-libc", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
+    "ours-fp8-compile", "ours-bounce", "ours-bounce-t8", "ours-regfail", "ours-bounce-libc", "ours-bounce-native", "ours-regfail-native", "ours-exact", "ours-serial-step", "serial-hooks", "diffusers-leaf", "diffusers-block", "accelerate",
     "ours-accum2", "ours-accum2-layer", "ours-accum4", "ours-accum4-layer", "ours-accum4-layer-park",
 ]
 # K micro-batches a step take K times as long: run only when named in --only
-OPT_IN = {"ours-fp8-keep-widened", "ours-accum2", "ours-accum2-layer", "ours-accum4", "ours-accum4-layer", "ours-accum4-layer-park"}
+OPT_IN = {"ours-fp8-keep-widened", "ours-bounce-native", "ours-regfail-native", "ours-accum2", "ours-accum2-layer", "ours-accum4", "ours-accum4-layer", "ours-accum4-layer-park"}
 
 
 class UsageError(Exception):

@@ -145,25 +145,39 @@ def ours_variant(name: str, **cfg: Any) -> Variant:
     return Variant(name, setup, "ours", cfg)
 
 
-def libc_fill(variant: Variant) -> Variant:
-    """The variant with the bounce ring filled by libc's memmove instead of streaming stores
-    (OFFLOAD_BOUNCE_FILL=libc while its store is made): the A/B of offload_core/streamcopy.py."""
+def _with_switch(variant: Variant, name: str, env: str, value: str, key: str) -> Variant:
+    """The variant with an engine experiment switched (environment ``env`` set to ``value`` while its
+    store is made), renamed ``name``; its config says so under ``key``."""
     setup = variant.setup
 
-    def libc(model: nn.Module, wl: Workload, device: torch.device) -> Session:
-        from offload_core import bounce
-
-        was = os.environ.get(bounce.BOUNCE_FILL_ENV)
-        os.environ[bounce.BOUNCE_FILL_ENV] = "libc"
+    def switched(model: nn.Module, wl: Workload, device: torch.device) -> Session:
+        was = os.environ.get(env)
+        os.environ[env] = value
         try:
             return setup(model, wl, device)
         finally:
             if was is None:
-                os.environ.pop(bounce.BOUNCE_FILL_ENV, None)
+                os.environ.pop(env, None)
             else:
-                os.environ[bounce.BOUNCE_FILL_ENV] = was
+                os.environ[env] = was
 
-    return Variant(variant.name, libc, variant.family, dict(variant.config, bounce_fill="libc"))
+    return Variant(name, switched, variant.family, dict(variant.config, **{key: value}))
+
+
+def libc_fill(variant: Variant) -> Variant:
+    """The variant with the bounce ring filled by libc's memmove instead of streaming stores
+    (OFFLOAD_BOUNCE_FILL=libc while its store is made): the A/B of offload_core/streamcopy.py."""
+    from offload_core import bounce
+
+    return _with_switch(variant, variant.name, bounce.BOUNCE_FILL_ENV, "libc", "bounce_fill")
+
+
+def native_ring(variant: Variant, name: str) -> Variant:
+    """The variant with the bounce ring's chunk loop in native threads (OFFLOAD_BOUNCE_RING=native):
+    the A/B of offload_core/native/bounce_ring.c."""
+    from offload_core import bounce
+
+    return _with_switch(variant, name, bounce.BOUNCE_RING_ENV, "native", "bounce_ring")
 
 
 def registration_fails(variant: Variant) -> Variant:
@@ -315,6 +329,9 @@ def variants_for(wl: Workload) -> list[Variant]:
         out.append(registration_fails(ours_variant("ours-regfail")))
         # the ring filled by libc's memmove, as before streaming stores (streamcopy.py)
         out.append(libc_fill(ours_variant("ours-bounce-libc", pinned_limit="256MiB")))
+        # the ring's chunk loop in pthreads, without the GIL (bounce.py, _NativeRing)
+        out.append(native_ring(ours_variant("ours-bounce", pinned_limit="256MiB"), "ours-bounce-native"))
+        out.append(native_ring(registration_fails(ours_variant("ours-regfail")), "ours-regfail-native"))
     if wl.optimizer_offload:
         # the optimizer's own (for-loop) kernel, still overlapped: bitwise plain AdamW
         out.append(ours_variant("ours-exact", fused_cpu_optimizer=False))
