@@ -598,10 +598,15 @@ class _NativeRing(_Ring):
         return _NativeJob(first, count.value)
 
     def copy(self, job: _NativeJob, dst: torch.Tensor, stream: Any) -> None:
+        wait = stream is None and self.is_cuda  # streams off: a synchronous copy on the current stream
+        if wait:
+            stream = torch.cuda.current_stream(dst.device)
         raw = stream.cuda_stream if stream is not None else None
         if self.lib.oj_ring_copy(self.handle, job.first, job.count, dst.data_ptr(), raw) != 0:
             self.check()
             raise BounceError("bounce store: a native copy failed")
+        if wait:
+            stream.synchronize()
 
     def counters(self) -> tuple[int, float, float]:
         if self.handle is None:

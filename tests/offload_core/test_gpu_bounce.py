@@ -70,8 +70,9 @@ def test_lora_training_through_the_ring_is_bitwise(ckpt: bool, ring_kind: str) -
     mgr.remove()
 
 
+@pytest.mark.parametrize("use_streams", [True, False], ids=["streams", "no_streams"])
 @pytest.mark.parametrize("weight_dtype", [None, "float8_e4m3fn"], ids=["bf16", "fp8"])
-def test_inference_through_the_ring_is_bitwise(weight_dtype: str | None) -> None:
+def test_inference_through_the_ring_is_bitwise(weight_dtype: str | None, use_streams: bool) -> None:
     case = CASES["flux"]
     ref = case.build("frozen")
     off = copy.deepcopy(ref)
@@ -80,7 +81,7 @@ def test_inference_through_the_ring_is_bitwise(weight_dtype: str | None) -> None
     ref.to(CUDA)
     # under the streamed bytes (fp8 halves them): a ring of four 16 KiB buffers
     h = enable_offload(off, target_device=CUDA, offload_granularity="block", pinned_limit="64KiB",
-                       weight_dtype=weight_dtype, num_copy_threads=4)
+                       weight_dtype=weight_dtype, num_copy_threads=4, use_streams=use_streams)
     assert h.stats()["host_store"] == "bounce"
     with torch.no_grad():
         for seed in range(4):
