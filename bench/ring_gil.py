@@ -37,7 +37,8 @@ def _run(kind: str, threads: int, chunk: int, device: torch.device, src: torch.T
     if kind == "python":
         ring = bounce._Ring(256 << 20, chunk, threads, device, pin=pin)
     else:
-        ring = bounce._NativeRing(256 << 20, chunk, threads, device, pin, streamcopy.load_ring()[0])
+        ring = bounce._NativeRing(256 << 20, chunk, threads, device, pin, streamcopy.load_ring()[0],
+                                  host_bytes=src.numel(), units=1)
     stream = torch.cuda.Stream(device) if pin else None
     stop, moved = threading.Event(), [0]
 

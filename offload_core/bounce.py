@@ -536,12 +536,12 @@ class _RegisterRing(_Ring):
 
 
 class _NativeJob:
-    """A unit's chunks in the native ring: numbers first..first+count-1."""
+    """A unit's chunks in the native ring: numbers first..first+count-1, nbytes in all."""
 
-    __slots__ = ("first", "count")
+    __slots__ = ("first", "count", "nbytes")
 
-    def __init__(self, first: int, count: int) -> None:
-        self.first, self.count = first, count
+    def __init__(self, first: int, count: int, nbytes: int) -> None:
+        self.first, self.count, self.nbytes = first, count, nbytes
 
 
 class _NativeRing(_Ring):
@@ -552,21 +552,29 @@ class _NativeRing(_Ring):
     without the GIL. The Python ring takes the GIL several times a chunk in each thread, about 3,000
     chunks a second at 50 GB/s, beside the engine's thread, which takes it back after every op."""
 
-    def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool, lib: Any) -> None:
+    def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool, lib: Any,
+                 host_bytes: int = 0, units: int = 0) -> None:
         nbuf = max(limit // chunk, _MIN_BUFFERS)
         chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
         self._common(nbuf, chunk, device)
         self.lib = lib
         self.handle = None
+        self.leaked = False
         self.host = HostBuffer(nbuf * chunk)
         self.pinned = self.host.pin() if pin else False
         streaming = _switch(BOUNCE_FILL_ENV) == "stream"
         self.fill_kind = "stream, native ring" if streaming else f"libc ({BOUNCE_FILL_ENV}=libc), native ring"
-        if self.is_cuda:
-            torch.cuda.synchronize(device)  # this thread's current context is the one the ring's threads take
         cpus = sorted(self.cpus or ())  # OFFLOAD_BOUNCE_CORES=spare: the fill threads keep to them too
-        handle = lib.oj_ring_new(nbuf, chunk, self.host.tensor.data_ptr(), max(threads, 1), int(self.is_cuda),
-                                 int(streaming), (ctypes.c_int * max(len(cpus), 1))(*cpus), len(cpus))
+        # chunks requested ahead of their copies, at most: every unit of the masters twice over (never reached)
+        ntasks = max(1 << 16, 2 * (host_bytes // chunk + 6 * units) + 64)
+        args = (nbuf, chunk, self.host.tensor.data_ptr(), max(threads, 1), int(self.is_cuda), int(streaming),
+                (ctypes.c_int * max(len(cpus), 1))(*cpus), len(cpus), ntasks)
+        if self.is_cuda:
+            with torch.cuda.device(device):  # the ring's threads take the context current here: this device's
+                torch.cuda.synchronize(device)
+                handle = lib.oj_ring_new(*args)
+        else:
+            handle = lib.oj_ring_new(*args)
         if not handle:
             self.host.close()
             raise MemoryError("the native bounce ring could not be allocated")
@@ -587,22 +595,33 @@ class _NativeRing(_Ring):
             self.error = RuntimeError(self.lib.oj_ring_error(self.handle).decode(errors="replace"))
         super().check()
 
-    def request(self, src: torch.Tensor) -> _NativeJob:
+    def _live(self) -> Any:
+        """The native handle; a BounceError once the ring is closed (never a NULL into C)."""
         self.check()
+        if self.handle is None:
+            raise BounceError("bounce store: used after close()")
+        return self.handle
+
+    def request(self, src: torch.Tensor) -> _NativeJob:
+        handle = self._live()
         count = ctypes.c_int64()
-        first = self.lib.oj_ring_request(self.handle, src.data_ptr(), src.numel() * src.element_size(),
-                                         ctypes.byref(count))
+        nbytes = src.numel() * src.element_size()
+        first = self.lib.oj_ring_request(handle, src.data_ptr(), nbytes, ctypes.byref(count))
         if first < 0:
             self.check()
             raise BounceError("bounce store: the native ring refused a request")
-        return _NativeJob(first, count.value)
+        return _NativeJob(first, count.value, nbytes)
 
     def copy(self, job: _NativeJob, dst: torch.Tensor, stream: Any) -> None:
+        handle = self._live()
+        if not dst.is_contiguous() or dst.numel() * dst.element_size() < job.nbytes:
+            raise BounceError(f"bounce store: a {job.nbytes}-byte unit into a destination of "
+                              f"{dst.numel() * dst.element_size()} bytes")
         wait = stream is None and self.is_cuda  # streams off: a synchronous copy on the current stream
         if wait:
             stream = torch.cuda.current_stream(dst.device)
         raw = stream.cuda_stream if stream is not None else None
-        if self.lib.oj_ring_copy(self.handle, job.first, job.count, dst.data_ptr(), raw) != 0:
+        if self.lib.oj_ring_copy(handle, job.first, job.count, dst.data_ptr(), raw) != 0:
             self.check()
             raise BounceError("bounce store: a native copy failed")
         if wait:
@@ -621,7 +640,7 @@ class _NativeRing(_Ring):
 
     def fail_next_fill(self) -> None:
         """A test's injected failure: the fill of the next chunk requested fails."""
-        self.lib.oj_ring_fail_at(self.handle, -1)
+        self.lib.oj_ring_fail_at(self._live(), -1)
 
     def close(self) -> None:
         if self.closed:
@@ -632,8 +651,13 @@ class _NativeRing(_Ring):
         self._wake_all()
         if threading.current_thread() is not self.issuer:
             self.issuer.join(timeout=5.0)
-        if self.issuer.is_alive() and threading.current_thread() is not self.issuer:
-            return  # still inside the ring (a stuck device call): leaking it beats freeing it under a thread
+        if self.issuer.is_alive():
+            # still inside the ring (a stuck device call, or closing from the issuer itself): the fill
+            # threads are joined, so nothing reads the masters, but the ring and its buffers are left
+            # alive (freed under a thread, they would crash it), and so are the masters (BounceStore.close)
+            self.lib.oj_ring_join(self.handle)
+            self.leaked = True
+            return
         self.lib.oj_ring_close(self.handle)  # joins the fill threads, waits for the buffers' last copies
         self.handle = None
         self._release()
@@ -734,7 +758,7 @@ def _fill_copy() -> tuple[Callable[[int, int, int], Any], str]:
     return (fn, why) if fn is not None else (ctypes.memmove, f"libc ({why})")
 
 
-def _make_ring(limit: int, chunk: int, threads: int, device: torch.device) -> _Ring:
+def _make_ring(limit: int, chunk: int, threads: int, device: torch.device, arena: PinnedArena) -> _Ring:
     """The copy mode's ring: native where switched on and it builds and starts here, else Python's
     (the reason in stats()["bounce_fill_copy"])."""
     pin = device.type == "cuda"
@@ -743,7 +767,8 @@ def _make_ring(limit: int, chunk: int, threads: int, device: torch.device) -> _R
         lib, why = streamcopy.load_ring()
         if lib is not None:
             try:
-                return _NativeRing(limit, chunk, threads, device, pin, lib)
+                return _NativeRing(limit, chunk, threads, device, pin, lib, host_bytes=arena.capacity_bytes,
+                                   units=len(arena._slabs))
             except _NativeUnavailable as exc:
                 why = str(exc)
     ring = _Ring(limit, chunk, threads, device, pin=pin)
@@ -781,7 +806,7 @@ class BounceStore:
             self.ring = _RegisterRing(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), arena.buffers(),
                                       device, pin=device.type == "cuda")
         else:
-            self.ring = _make_ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device)
+            self.ring = _make_ring(self.limit, chunk or DEFAULT_CHUNK, threads or _default_threads(), device, arena)
         self._args = (chunk or DEFAULT_CHUNK, threads or _default_threads(), device)
         self._finalizer = weakref.finalize(self, self.ring.close)
         self._finalizer.atexit = False
@@ -839,7 +864,8 @@ class BounceStore:
 
     def close(self) -> None:
         self._finalizer()
-        self.arena.close()
+        if not getattr(self.ring, "leaked", False):  # a native ring left alive may still copy out of them
+            self.arena.close()
 
     # ------------------------------------------------------------------ the copies (transfer.py)
     def request(self, src: torch.Tensor) -> _Job:

@@ -169,7 +169,7 @@ def _load_ring() -> tuple[ctypes.CDLL | None, str]:
     p, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
     sigs = {
         "oj_ring_new": (p, [ctypes.c_int, ctypes.c_size_t, p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                            ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                            ctypes.POINTER(ctypes.c_int), ctypes.c_int, i64]),
         "oj_ring_request": (i64, [p, u64, u64, ctypes.POINTER(i64)]),
         "oj_ring_copy": (ctypes.c_int, [p, i64, i64, u64, p]),
         "oj_ring_failed": (ctypes.c_int, [p]),
@@ -178,6 +178,7 @@ def _load_ring() -> tuple[ctypes.CDLL | None, str]:
         "oj_ring_stats": (None, [p, ctypes.POINTER(ctypes.c_double * 3)]),
         "oj_ring_threads": (ctypes.c_int, [p]),
         "oj_ring_stop": (None, [p]),
+        "oj_ring_join": (None, [p]),
         "oj_ring_close": (None, [p]),
     }
     for name, (res, args) in sigs.items():

@@ -34,7 +34,6 @@ typedef void *CUstream;
 typedef unsigned long long CUdeviceptr;
 
 #define OJ_EVENT_FLAGS 0x3 /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING: a waiter sleeps */
-#define OJ_TASKS (1 << 16) /* chunks requested and not yet copied, at most */
 
 struct oj_cu {
     CUresult (*ctx_get)(CUcontext *);
@@ -61,7 +60,9 @@ typedef struct oj_ring {
     CUevent *events;
     int *recorded;
     int64_t *filled, *consumed; /* per buffer: the number it holds; the number whose copy is queued */
-    struct oj_task *tasks;      /* by number % OJ_TASKS */
+    struct oj_task *tasks;      /* by number % ntasks */
+    int64_t ntasks;             /* chunks requested and not yet copied, at most (sized by the caller) */
+    int conds_ready;
     int64_t seq;                /* the next number request() hands out */
     int64_t next_fill;          /* the next number a fill thread takes */
     int64_t copied;             /* numbers below this one are consumed */
@@ -160,7 +161,7 @@ static void *fill_loop(void *arg)
         if (r->stop || r->failed)
             break;
         s = r->next_fill++;
-        t = r->tasks[s % OJ_TASKS];
+        t = r->tasks[s % r->ntasks];
         b = (int)(s % r->nbuf);
         /* the buffer's last occupant must have had its copy queued ... */
         while (!r->stop && !r->failed && r->consumed[b] < s - r->nbuf)
@@ -213,7 +214,7 @@ int oj_ring_failed(oj_ring *r)
 /* The ring and its threads; NULL only if memory runs out. A ring that could not start (CUDA not
  * loadable, a thread not created) is returned failed: oj_ring_failed says so and oj_ring_error why. */
 oj_ring *oj_ring_new(int nbuf, size_t chunk, void *base, int nthreads, int cuda, int streaming, const int *cpus,
-                     int ncpus)
+                     int ncpus, int64_t ntasks)
 {
     oj_ring *r = (oj_ring *)calloc(1, sizeof *r);
     int i;
@@ -232,6 +233,7 @@ oj_ring *oj_ring_new(int nbuf, size_t chunk, void *base, int nthreads, int cuda,
     r->cuda = cuda;
     r->streaming = streaming;
     r->fail_at = -1;
+    r->ntasks = ntasks > 64 ? ntasks : 64;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->task_cv, NULL);
     r->buf_cv = (pthread_cond_t *)calloc((size_t)nbuf, sizeof *r->buf_cv);
@@ -239,7 +241,7 @@ oj_ring *oj_ring_new(int nbuf, size_t chunk, void *base, int nthreads, int cuda,
     r->recorded = (int *)calloc((size_t)nbuf, sizeof *r->recorded);
     r->filled = (int64_t *)malloc((size_t)nbuf * sizeof *r->filled);
     r->consumed = (int64_t *)malloc((size_t)nbuf * sizeof *r->consumed);
-    r->tasks = (struct oj_task *)calloc(OJ_TASKS, sizeof *r->tasks);
+    r->tasks = (struct oj_task *)calloc((size_t)r->ntasks, sizeof *r->tasks);
     r->threads = (pthread_t *)calloc((size_t)nthreads, sizeof *r->threads);
     if (!r->buf_cv || !r->events || !r->recorded || !r->filled || !r->consumed || !r->tasks || !r->threads) {
         r->failed = 1;
@@ -251,6 +253,7 @@ oj_ring *oj_ring_new(int nbuf, size_t chunk, void *base, int nthreads, int cuda,
         r->filled[i] = -1;
         r->consumed[i] = -1;
     }
+    r->conds_ready = 1;
     if (cuda) {
         CUresult err;
         if (load_cuda(r) != 0) {
@@ -315,7 +318,7 @@ int64_t oj_ring_request(oj_ring *r, uint64_t src, uint64_t n, int64_t *count)
         return -1;
     }
     need = (int64_t)(n / r->chunk) + 8;
-    if (r->seq + need - r->copied > OJ_TASKS) {
+    if (r->seq + need - r->copied > r->ntasks) {
         fail_locked(r, "more chunks requested ahead of the copies than the ring's table holds");
         pthread_mutex_unlock(&r->mu);
         return -1;
@@ -326,16 +329,16 @@ int64_t oj_ring_request(oj_ring *r, uint64_t src, uint64_t n, int64_t *count)
             uint64_t m = r->chunk / (uint64_t)ramp[i];
             if (m > n - o)
                 m = n - o;
-            r->tasks[r->seq % OJ_TASKS].src = src + o;
-            r->tasks[r->seq % OJ_TASKS].n = m;
+            r->tasks[r->seq % r->ntasks].src = src + o;
+            r->tasks[r->seq % r->ntasks].n = m;
             r->seq++;
             o += m;
         }
     }
     for (; o < n; o += r->chunk) {
         uint64_t m = n - o < r->chunk ? n - o : r->chunk;
-        r->tasks[r->seq % OJ_TASKS].src = src + o;
-        r->tasks[r->seq % OJ_TASKS].n = m;
+        r->tasks[r->seq % r->ntasks].src = src + o;
+        r->tasks[r->seq % r->ntasks].n = m;
         r->seq++;
     }
     *count = r->seq - first;
@@ -346,17 +349,32 @@ int64_t oj_ring_request(oj_ring *r, uint64_t src, uint64_t n, int64_t *count)
 
 /* Copy chunks first..first+count-1, as they are filled, to dst: queued on stream (CUDA; the buffer
  * is filled again once its event completes) or copied now (host memory). 0, or -1 (oj_ring_error). */
+static int copy_chunks(oj_ring *r, int64_t first, int64_t count, uint64_t dst, void *stream);
+
+/* The calling thread's CUDA context is the ring's during the copies and is given back after. */
 int oj_ring_copy(oj_ring *r, int64_t first, int64_t count, uint64_t dst, void *stream)
 {
-    uint64_t off = 0;
-    int64_t s;
+    CUcontext prev = NULL;
+    int rc;
     if (r->cuda) {
-        CUresult err = r->cu.ctx_set(r->ctx);
+        CUresult err = r->cu.ctx_get(&prev);
+        if (err == 0 && prev != r->ctx)
+            err = r->cu.ctx_set(r->ctx);
         if (err != 0) {
             fail_cu(r, "the issuer's cuCtxSetCurrent", err);
             return -1;
         }
     }
+    rc = copy_chunks(r, first, count, dst, stream);
+    if (r->cuda && prev != r->ctx)
+        r->cu.ctx_set(prev);
+    return rc;
+}
+
+static int copy_chunks(oj_ring *r, int64_t first, int64_t count, uint64_t dst, void *stream)
+{
+    uint64_t off = 0;
+    int64_t s;
     for (s = first; s < first + count; s++) {
         int b = (int)(s % r->nbuf);
         uint64_t n;
@@ -373,7 +391,7 @@ int oj_ring_copy(oj_ring *r, int64_t first, int64_t count, uint64_t dst, void *s
             pthread_mutex_unlock(&r->mu);
             return -1;
         }
-        n = r->tasks[s % OJ_TASKS].n;
+        n = r->tasks[s % r->ntasks].n;
         pthread_mutex_unlock(&r->mu);
         if (r->cuda) {
             CUresult err = r->cu.memcpy_htod((CUdeviceptr)(dst + off), r->base + (size_t)b * r->chunk, (size_t)n,
@@ -425,16 +443,27 @@ void oj_ring_stop(oj_ring *r)
     pthread_mutex_unlock(&r->mu);
 }
 
-/* Stop and join the threads, then free the ring (the pinned buffers are the caller's). Waits for
- * the last copies out of the buffers first: the caller frees them next. */
-void oj_ring_close(oj_ring *r)
+/* Stop the fill threads and join them (none waits on the issuer once stopped): after this no thread
+ * of the ring reads the caller's masters. */
+void oj_ring_join(oj_ring *r)
 {
     int i;
     oj_ring_stop(r);
     for (i = 0; i < r->started; i++)
         pthread_join(r->threads[i], NULL);
-    if (r->cuda && r->events && r->cu.event_destroy) {
-        if (r->ctx)
+    r->started = 0;
+}
+
+/* Stop and join the threads, then free the ring (the pinned buffers are the caller's). Waits for
+ * the last copies out of the buffers first: the caller frees them next. */
+void oj_ring_close(oj_ring *r)
+{
+    int i;
+    oj_ring_join(r);
+    if (r->cuda && r->events && r->cu.event_destroy && r->ctx) {
+        CUcontext prev = NULL;
+        r->cu.ctx_get(&prev);
+        if (prev != r->ctx)
             r->cu.ctx_set(r->ctx);
         for (i = 0; i < r->nbuf; i++) {
             if (r->events[i]) {
@@ -443,8 +472,10 @@ void oj_ring_close(oj_ring *r)
                 r->cu.event_destroy(r->events[i]);
             }
         }
+        if (prev != r->ctx)
+            r->cu.ctx_set(prev);
     }
-    if (r->buf_cv)
+    if (r->conds_ready)
         for (i = 0; i < r->nbuf; i++)
             pthread_cond_destroy(&r->buf_cv[i]);
     pthread_cond_destroy(&r->task_cv);

@@ -260,3 +260,20 @@ def test_the_copy_threads_run_on_the_spare_cpus(monkeypatch: pytest.MonkeyPatch,
         ids += [tid for tid in bounce.native_fill_threads() if tid not in before]
     assert len(ids) == 2 and all(os.sched_getaffinity(tid) == cpus for tid in ids)
     h.remove()
+
+
+def test_a_closed_native_ring_is_a_named_error_never_a_crash(ring_kind: str) -> None:
+    """After close() (an engine's remove(), or a finalizer) a copy or request names the misuse; the
+    native ring never hands C a freed handle."""
+    if ring_kind != "native":
+        pytest.skip("the native ring's handle")
+    m, x, _, h = _mlp_through_the_ring(2)
+    ring = h.engine.store.ring
+    src = torch.zeros(10_000, dtype=torch.uint8)
+    job = ring.request(src)
+    ring.copy(job, torch.empty_like(src), None)
+    h.remove()
+    with pytest.raises(BounceError, match="used after close"):
+        ring.request(src)
+    with pytest.raises(BounceError, match="used after close"):
+        ring.copy(job, torch.empty_like(src), None)
