@@ -127,11 +127,8 @@ class _Ring:
     """
 
     def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool) -> None:
-        nbuf = max(limit // chunk, _MIN_BUFFERS)
-        chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
-        self._common(nbuf, chunk, device)
-        self.host = HostBuffer(nbuf * chunk)
-        self.pinned = self.host.pin() if pin else False
+        self._pinned_buffers(limit, chunk, device, pin)
+        nbuf, chunk = self.nbuf, self.chunk
         self.bufs = [self.host.tensor[i * chunk: (i + 1) * chunk] for i in range(nbuf)]
         self.ptrs = [b.data_ptr() for b in self.bufs]
         self.conds = [threading.Condition(threading.Lock()) for _ in range(nbuf)]
@@ -141,6 +138,14 @@ class _Ring:
         self.seq = 0  # the next sequence number to hand out (requests come from one thread at a time)
         self.memmove, self.fill_kind = _fill_copy()
         self._start(self._fill_loop, "bounce-fill", threads)
+
+    def _pinned_buffers(self, limit: int, chunk: int, device: torch.device, pin: bool) -> None:
+        """At least four buffers of at most ``chunk`` bytes (page multiples) in ``limit``, in one pinned block."""
+        nbuf = max(limit // chunk, _MIN_BUFFERS)
+        chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
+        self._common(nbuf, chunk, device)
+        self.host = HostBuffer(nbuf * chunk)
+        self.pinned = self.host.pin() if pin else False
 
     def _common(self, nbuf: int, chunk: int, device: torch.device) -> None:
         self.nbuf, self.chunk = nbuf, chunk
@@ -554,14 +559,11 @@ class _NativeRing(_Ring):
 
     def __init__(self, limit: int, chunk: int, threads: int, device: torch.device, pin: bool, lib: Any,
                  host_bytes: int = 0, units: int = 0) -> None:
-        nbuf = max(limit // chunk, _MIN_BUFFERS)
-        chunk = max(min(chunk, limit // nbuf) // 4096 * 4096, 4096)
-        self._common(nbuf, chunk, device)
         self.lib = lib
         self.handle = None
         self.leaked = False
-        self.host = HostBuffer(nbuf * chunk)
-        self.pinned = self.host.pin() if pin else False
+        self._pinned_buffers(limit, chunk, device, pin)
+        nbuf, chunk = self.nbuf, self.chunk
         streaming = _switch(BOUNCE_FILL_ENV) == "stream"
         self.fill_kind = "stream, native ring" if streaming else f"libc ({BOUNCE_FILL_ENV}=libc), native ring"
         cpus = sorted(self.cpus or ())  # OFFLOAD_BOUNCE_CORES=spare: the fill threads keep to them too

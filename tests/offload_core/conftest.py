@@ -45,3 +45,15 @@ def no_cudnn_sdp() -> Iterator[None]:
     torch.backends.cuda.enable_cudnn_sdp(False)
     yield
     torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+@pytest.fixture(params=["python", "native"])
+def ring_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The bounce store's two rings (bounce.py): the Python one and the native one, where it builds."""
+    import offload_core.bounce as bounce
+    from offload_core import streamcopy
+
+    if request.param == "native" and streamcopy.load_ring()[0] is None:
+        pytest.skip(f"the native ring does not build here: {streamcopy.load_ring()[1]}")
+    monkeypatch.setenv(bounce.BOUNCE_RING_ENV, request.param)
+    return request.param

@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 import offload_core.bounce as bounce
-from offload_core import OffloadConfigError, enable_offload, streamcopy
+from offload_core import OffloadConfigError, enable_offload
 from offload_core.bounce import BounceError
 from offload_core_test_models import CASES, TREES, assert_bitwise, assert_traces_equal, infer, make_optimizer, reference, train
+
+pytestmark = pytest.mark.usefixtures("ring_kind")  # every test with both rings (conftest.py)
 
 LIMIT = "16KiB"  # 4 buffers of 4 KiB (the chunk below): smaller than every test model
 
@@ -30,14 +32,6 @@ LIMIT = "16KiB"  # 4 buffers of 4 KiB (the chunk below): smaller than every test
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bounce, "DEFAULT_CHUNK", 4096)
     monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
-
-
-@pytest.fixture(autouse=True, params=["python", "native"])
-def ring_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "native" and streamcopy.load_ring()[0] is None:
-        pytest.skip(f"the native ring does not build here: {streamcopy.load_ring()[1]}")
-    monkeypatch.setenv(bounce.BOUNCE_RING_ENV, request.param)
-    return request.param
 
 
 def _bounce_threads() -> list[str]:

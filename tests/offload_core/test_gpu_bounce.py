@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import offload_core.bounce as bounce
-from offload_core import enable_offload, streamcopy
+from offload_core import enable_offload
 from offload_core.quant import fake_quantize
 from offload_core_test_models import CASES, DiT, add_dit_lora
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_cudnn_sdp", "ring_kind")]
 CUDA = "cuda"
 
 
@@ -29,14 +29,6 @@ CUDA = "cuda"
 def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bounce, "DEFAULT_CHUNK", 64 << 10)  # 64 KiB chunks: a unit is many chunks
     monkeypatch.delenv(bounce.PINNED_LIMIT_ENV, raising=False)
-
-
-@pytest.fixture(autouse=True, params=["python", "native"])
-def ring_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "native" and streamcopy.load_ring()[0] is None:
-        pytest.skip(f"the native ring does not build here: {streamcopy.load_ring()[1]}")
-    monkeypatch.setenv(bounce.BOUNCE_RING_ENV, request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["no_ckpt", "ckpt"])
